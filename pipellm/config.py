@@ -1,0 +1,178 @@
+"""All engine settings in one object, validated before anything is built.
+
+Names follow vLLM's engine arguments, so `LLM(model, max_num_seqs=8, ...)` and
+`pipellm serve --max-num-seqs 8` mean what a vLLM user expects.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from pipellm.model.model_config import ModelConfig
+from pipellm.model.source import ModelSource, load_model_config, resolve_model
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+BACKENDS = ("uni", "mp")  # ray and sim: planned, not built yet
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names it, its value and the fix."""
+
+
+def _fail(name: str, value: object, fix: str) -> None:
+    raise ConfigError(f"invalid setting {name}={value!r}: {fix}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local HF dir, .gguf file or built-in preset; None = built-in
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto = float32 on CPU (bf16 is slower without AMX), bfloat16 on GPU
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes of KV cache over all stages (CPU)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    pp_balance: bool = True
+    num_threads: int | None = None  # torch threads per stage; default: cores divided by stages
+    max_cudagraph_capture_size: int | None = None
+    trust_remote_code: bool = False
+    served_model_name: str | None = None
+    trace_file: str | None = None
+    compile: bool = False
+    # Resolved on construction:
+    source: ModelSource = field(init=False)
+    model_config: ModelConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "pipeline_parallel_size",
+            "tensor_parallel_size",
+            "max_num_seqs",
+            "block_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                _fail(name, value, "use a positive integer")
+        if self.tensor_parallel_size != 1:
+            _fail("tensor_parallel_size", self.tensor_parallel_size, "only 1 is supported yet")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            _fail("dtype", self.dtype, f"use one of auto, {', '.join(DTYPES)}")
+        if self.load_format not in LOAD_FORMATS:
+            _fail("load_format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)}")
+        if self.kv_cache_dtype not in ("auto", *DTYPES):
+            _fail("kv_cache_dtype", self.kv_cache_dtype, f"use auto or one of {', '.join(DTYPES)}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.pipeline_parallel_size == 1 else "mp"
+        if self.distributed_executor_backend not in BACKENDS:
+            _fail(
+                "distributed_executor_backend",
+                self.distributed_executor_backend,
+                f"use one of {', '.join(BACKENDS)}",
+            )
+        if self.distributed_executor_backend == "uni" and self.pipeline_parallel_size > 1:
+            _fail("distributed_executor_backend", "uni", "pipeline stages need mp, ray or sim")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            _fail("kv_cache_memory", self.kv_cache_memory, "use a positive number of bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use a value in (0, 1]")
+        if self.num_threads is not None and self.num_threads <= 0:
+            _fail("num_threads", self.num_threads, "use a positive integer")
+
+        self.source = resolve_model(self.model)
+        self.model_config = load_model_config(self.source)
+        self._check_against_model()
+
+    def _check_against_model(self) -> None:
+        context = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = context
+        elif not 0 < self.max_model_len <= context:
+            _fail("max_model_len", self.max_model_len, f"use a value in [1, {context}]")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                max(2048, self.max_num_seqs) if self.enable_chunked_prefill else self.max_model_len
+            )
+        if self.max_num_batched_tokens <= 0:
+            _fail("max_num_batched_tokens", self.max_num_batched_tokens, "use a positive integer")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            _fail(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens,
+                f"without chunked prefill it must be >= max_model_len ({self.max_model_len}); "
+                "raise it, lower max_model_len, or enable chunked prefill",
+            )
+        capacity = self.num_kv_blocks * self.block_size
+        if capacity < self.max_model_len:
+            _fail(
+                "kv_cache_memory",
+                self.kv_cache_memory,
+                f"it holds {capacity} tokens but max_model_len is {self.max_model_len}; "
+                f"give at least {self.max_model_len // self.block_size + 1} blocks of "
+                f"{self.kv_bytes_per_block} bytes, or lower max_model_len",
+            )
+        layers = self.model_config.num_hidden_layers
+        if self.pipeline_parallel_size > layers:
+            _fail(
+                "pipeline_parallel_size",
+                self.pipeline_parallel_size,
+                f"the model has only {layers} layers; use at most {layers} stages",
+            )
+
+    # ---- derived settings ------------------------------------------------------------------
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return DTYPES[self.dtype]
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else DTYPES[self.kv_cache_dtype]
+
+    @property
+    def threads_per_stage(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        return max(1, (os.cpu_count() or 1) // self.pipeline_parallel_size)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block takes over *all* layers (keys and values)."""
+        mc = self.model_config
+        per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+        return per_token * self.block_size * self.cache_dtype.itemsize
+
+    @property
+    def num_kv_blocks(self) -> int:
+        budget = self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        return budget // self.kv_bytes_per_block
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.source.name
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls) if f.init}

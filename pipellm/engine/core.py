@@ -1,0 +1,144 @@
+"""The engine loop: keep up to P micro-batches in flight, apply outputs in submission order.
+
+This is the seed's fix in one place. While the batch queue has room and the scheduler can form
+a micro-batch, submit it without waiting; only when the queue is full, or nothing more can be
+scheduled, block on the *oldest* in-flight micro-batch and apply its output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import Future
+
+from pipellm.config import EngineConfig
+from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.output_processor import TextState
+from pipellm.engine.outputs import EngineOutput
+from pipellm.engine.request import Request
+from pipellm.engine.scheduler import Scheduler, SchedulerConfig
+from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.executor.base import Executor
+from pipellm.model.source import resolve_model
+from pipellm.model.tokenizer import Tokenizer, load_tokenizer
+from pipellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    backend = config.distributed_executor_backend
+    if backend == "uni":
+        from pipellm.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config)
+    if backend == "mp":
+        from pipellm.executor.mp import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    raise NotImplementedError(f"distributed_executor_backend={backend!r} is not available yet")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        self.config = config
+        source = resolve_model(config.tokenizer) if config.tokenizer else config.source
+        self.tokenizer: Tokenizer = load_tokenizer(source)
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            config.num_kv_blocks,
+            config.block_size,
+            config.num_kv_blocks * config.kv_bytes_per_block / 2**20,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                num_micro_batches=config.pipeline_parallel_size,
+                pp_balance=config.pp_balance,
+            ),
+            self.block_manager,
+        )
+        self.executor = executor or make_executor(config)
+        self.batch_queue_depth = self.executor.num_stages
+        self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
+        self.texts: dict[str, TextState] = {}
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        limit = self.config.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(prompt_token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {limit}; "
+                "shorten the prompt or raise max_model_len (it must leave room for one token)"
+            )
+        vocab = self.config.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        request = Request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids)
+        self.scheduler.add_request(request)
+        self.texts[request_id] = TextState(self.tokenizer, prompt_token_ids, params)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, "abort")
+        self.texts.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        """Submits micro-batches until the queue is full, then applies the oldest result."""
+        while len(self.in_flight) < self.batch_queue_depth:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output is None:
+                break
+            self.in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
+        if not self.in_flight:
+            return []
+        scheduler_output, future = self.in_flight.popleft()
+        model_output = future.result()
+        return self._apply(scheduler_output, model_output)
+
+    def _apply(
+        self, scheduler_output: SchedulerOutput, model_output: ModelOutput
+    ) -> list[EngineOutput]:
+        outputs = []
+        for update in self.scheduler.update_from_output(scheduler_output, model_output):
+            request = update.request
+            text = self.texts[request.request_id]
+            delta, stop_string = text.push(update.token_id, update.finished)
+            if stop_string is not None and not update.finished:
+                request.finish_reason, request.stop_reason = "stop", stop_string
+                self.scheduler.finish_request(request.request_id, "stop")
+            finished = request.is_finished
+            outputs.append(
+                EngineOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[update.token_id],
+                    new_text=delta,
+                    finished=finished,
+                    finish_reason=request.finish_reason if finished else None,
+                    stop_reason=request.stop_reason if finished else None,
+                    new_logprobs=[update.logprobs] if update.logprobs else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if finished:
+                del self.texts[request.request_id]
+        return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

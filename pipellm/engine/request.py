@@ -1,0 +1,86 @@
+"""A generation request as the scheduler sees it: tokens, progress, blocks and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pipellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence. `num_computed_tokens` advances when a chunk is *scheduled*, so a request
+    in flight already counts the tokens its micro-batch is computing."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admit)
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this request's full blocks
+        self.in_flight = False
+        self.num_tokens_sent = 0  # how many of all_token_ids the stage workers already hold
+        self.num_blocks_sent = 0  # likewise for block_ids
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None
+        self.aborted = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_token_stop(self, max_model_len: int) -> bool:
+        """Applies the token-level stop rules after a new token; sets finish_reason."""
+        params = self.sampling_params
+        token = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                self.finish_reason = "stop"
+                return True
+            if token in params.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token
+                return True
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            self.finish_reason = "length"
+            return True
+        if self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+            return True
+        return False

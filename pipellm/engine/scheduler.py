@@ -1,0 +1,223 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption, for P micro-batches.
+
+Each call to `schedule()` forms one micro-batch from requests that are not already in flight.
+A request's `num_computed_tokens` advances when it is scheduled, and it becomes schedulable
+again when its micro-batch's output is applied, so with P micro-batches in flight every
+request is in at most one of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.request import Request, RequestStatus
+from pipellm.engine.scheduler_output import ModelOutput, ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    num_micro_batches: int = 1  # pipeline stages: how many micro-batches are in flight
+    pp_balance: bool = True
+
+
+@dataclass
+class TokenUpdate:
+    """A token the scheduler appended; `finished` is set when a token-level stop rule hit."""
+
+    request: Request
+    token_id: int
+    logprobs: tuple[float, list[tuple[int, float]]] | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: FCFS, the newest is preempted first
+        self.requests: dict[str, Request] = {}
+        self._freed_ids: list[str] = []
+        self._next_step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: str) -> None:
+        """Ends a request now, or when its in-flight micro-batch comes back."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return
+        request.finish_reason = request.finish_reason or reason
+        request.aborted = reason == "abort"
+        if request.in_flight:
+            request.status = RequestStatus.FINISHED  # blocks freed when the output returns
+            return
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.block_ids or request.num_tokens_sent:
+            self._freed_ids.append(request.request_id)
+        self.block_manager.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_in_flight_requests(self) -> int:
+        return sum(r.in_flight for r in self.running)
+
+    # ---- forming a micro-batch -----------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        """Frees a running request's blocks; it is recomputed from scratch when resumed."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_tokens_sent = 0
+        request.num_blocks_sent = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._freed_ids.append(request.request_id)
+        self.waiting.appendleft(request)  # resumed requests go first
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> bool:
+        """Finds blocks for a running request, preempting the newest idle ones if needed."""
+        while not self.block_manager.allocate_slots(request, num_tokens):
+            victims = [r for r in self.running if not r.in_flight and r is not request]
+            if not victims:
+                return False  # wait for in-flight micro-batches to return their requests
+            self._preempt(victims[-1])
+        return True
+
+    def _admission_limit(self) -> int:
+        """New or resumed requests per micro-batch: the seed's rule spreads them over P."""
+        cfg = self.config
+        if cfg.pp_balance and cfg.num_micro_batches > 1:
+            return max(1, cfg.max_num_seqs // cfg.num_micro_batches)
+        return cfg.max_num_seqs
+
+    def schedule(self) -> SchedulerOutput | None:
+        """Forms the next micro-batch, or returns None when nothing can run now."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        chunks: list[tuple[Request, int, bool]] = []  # (request, tokens, is_new)
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.in_flight or request.status != RequestStatus.RUNNING:
+                continue
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget and not cfg.enable_chunked_prefill:
+                continue
+            num_new = min(num_new, budget)
+            if not self._allocate_or_preempt(request, num_new):
+                break  # FCFS: a newer request must not take the blocks this one waits for
+            chunks.append((request, num_new, request.num_tokens_sent == 0))
+            request.in_flight = True
+            budget -= num_new
+
+        num_admitted = 0
+        while self.waiting and budget > 0:
+            if len(self.running) >= cfg.max_num_seqs or num_admitted >= self._admission_limit():
+                break
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_new = request.num_tokens - num_cached_tokens
+            if num_new > budget and not cfg.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            bm = self.block_manager
+            newly_taken = sum(bm.ref_counts[b] == 0 for b in cached)
+            extra = bm.blocks_needed(num_cached_tokens + num_new) - len(cached)
+            if not bm.can_allocate(newly_taken + extra):
+                break
+            self.waiting.popleft()
+            bm.take_cached_prefix(request, cached)
+            assert bm.allocate_slots(request, num_new)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            request.in_flight = True
+            self.running.append(request)
+            chunks.append((request, num_new, True))
+            num_admitted += 1
+            budget -= num_new
+
+        if not chunks:
+            return None
+        return self._make_output(chunks)
+
+    def _make_output(self, chunks: list[tuple[Request, int, bool]]) -> SchedulerOutput:
+        scheduled = []
+        for request, num_new, is_new in chunks:
+            known_blocks = 0 if is_new else request.num_blocks_sent
+            item = ScheduledRequest(
+                request_id=request.request_id,
+                num_computed_tokens=request.num_computed_tokens,
+                num_scheduled_tokens=num_new,
+                new_token_ids=request.all_token_ids[0 if is_new else request.num_tokens_sent :],
+                new_block_ids=request.block_ids[known_blocks:],
+                sampling_params=request.sampling_params if is_new else None,
+                num_output_tokens=request.num_output_tokens,
+            )
+            request.num_tokens_sent = request.num_tokens
+            request.num_blocks_sent = len(request.block_ids)
+            request.num_computed_tokens += num_new
+            item.sample = request.num_computed_tokens == request.num_tokens
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            scheduled.append(item)
+        output = SchedulerOutput(self._next_step_id, scheduled, self._freed_ids)
+        self._freed_ids = []
+        self._next_step_id += 1
+        return output
+
+    # ---- applying a micro-batch's result --------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelOutput
+    ) -> list[TokenUpdate]:
+        """Appends sampled tokens in submission order and applies token-level stop rules."""
+        assert model_output.step_id == scheduler_output.step_id, "outputs applied out of order"
+        updates = []
+        sampled = iter(model_output.sampled_token_ids)
+        logprobs = iter(model_output.logprobs or [])
+        for item in scheduler_output.requests:
+            request = self.requests.get(item.request_id)
+            token_id = next(sampled) if item.sample else None
+            token_logprobs = next(logprobs, None) if item.sample else None
+            if request is None:
+                continue
+            request.in_flight = False
+            if request.is_finished:  # aborted while in flight
+                self._release(request)
+                continue
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            finished = request.check_token_stop(self.config.max_model_len)
+            updates.append(TokenUpdate(request, token_id, token_logprobs, finished))
+            if finished:
+                self._release(request)
+        return updates

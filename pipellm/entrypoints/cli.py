@@ -1,0 +1,84 @@
+"""`pipellm` command line: generate, serve, bench serve, demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _generate(args: argparse.Namespace) -> None:
+    import time
+
+    from pipellm.entrypoints.engine_args import engine_config_from_args
+    from pipellm.llm import LLM
+    from pipellm.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM.from_config(config)
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        started = time.perf_counter()
+        if args.chat:
+            outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params)
+        else:
+            outputs = llm.generate(args.prompt, params)
+        elapsed = time.perf_counter() - started
+        for prompt, out in zip(args.prompt, outputs, strict=True):
+            print(f"--- {prompt!r}\n{out.outputs[0].text}")
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        print(f"{generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s)")
+    finally:
+        llm.shutdown()
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from pipellm.entrypoints.demo import run_demo
+
+    run_demo()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipellm.entrypoints.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="pipellm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate offline for a few prompts")
+    gen.add_argument("model", nargs="?", help="local HF folder, .gguf, or built-in preset")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    demo = sub.add_parser("demo", help="the main job on the built-in model")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    try:
+        from pipellm.bench.serve import add_cli_args
+        from pipellm.bench.serve import main as bench_main
+
+        add_cli_args(bench_serve)
+        bench_serve.set_defaults(func=bench_main)
+    except ImportError:  # pragma: no cover - bench module not built yet
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as error:  # config and input errors: one clear line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Command-line flags for every engine setting, by vLLM's names, mapped onto EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pipellm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--tokenizer", help="tokenizer source if not the model's own")
+    g.add_argument(
+        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16"
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="dummy: seeded random weights of the model's shape",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of sampling and dummy weights")
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, help="most tokens in one micro-batch")
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over steps and mix them with decodes",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of shared prompt prefixes",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        help="bytes of KV cache over all stages on CPU (default 1 GiB)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory to use (GPU only; unused on CPU)",
+    )
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or a dtype")
+    g.add_argument(
+        "-pp",
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages: the model's layers split into this many processes",
+    )
+    g.add_argument(
+        "-tp", "--tensor-parallel-size", type=int, default=1, help="tensor parallel ranks"
+    )
+    g.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp"],
+        help="how stages run: mp (one process per stage, the default)",
+    )
+    g.add_argument(
+        "--no-pp-balance",
+        dest="pp_balance",
+        action="store_false",
+        help="send requests to stages unbalanced, as before the seed's fix (for measuring)",
+    )
+    g.add_argument("--num-threads", type=int, help="torch threads per stage (default: cores / P)")
+    g.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        help="largest batch captured in a CUDA graph (GPU only; unused on CPU)",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for compatibility; pipellm never runs code from a model folder",
+    )
+    g.add_argument("--trace-file", help="write a Chrome/Perfetto trace of stage activity here")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (slow start)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Builds and validates the config; reports flags that do nothing on this device."""
+    names = EngineConfig.field_names()
+    config = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if not _has_cuda():
+        if args.max_cudagraph_capture_size is not None:
+            logger.warning("--max-cudagraph-capture-size has no effect on CPU; ignored")
+        if args.gpu_memory_utilization != 0.9:
+            logger.warning("--gpu-memory-utilization has no effect on CPU; use --kv-cache-memory")
+    if args.trust_remote_code:
+        logger.warning("--trust-remote-code accepted; pipellm never runs code from a model folder")
+    return config
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

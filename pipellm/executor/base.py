@@ -1,0 +1,34 @@
+"""The contract every backend (in-process, mp, ray, sim) fulfils for the engine core."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+
+from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+
+
+class WorkerDiedError(RuntimeError):
+    """A stage process or actor is gone; the engine cannot continue."""
+
+
+class Executor(ABC):
+    """Runs micro-batches through the pipeline stages.
+
+    `submit` must not wait for the micro-batch to finish: the engine keeps up to
+    `num_stages` micro-batches in flight. Futures complete in submission order.
+    """
+
+    num_stages: int = 1
+
+    @abstractmethod
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
+        """Starts a micro-batch through every stage; the future holds the sampled tokens."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raises WorkerDiedError if any stage is gone."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops every stage and reaps its process; safe to call twice."""

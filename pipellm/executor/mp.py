@@ -1,0 +1,221 @@
+"""Pipeline stages as OS processes: one process per stage, P micro-batches in flight.
+
+Data flow per micro-batch:
+  engine --pickled SchedulerOutput (one pipe per stage)--> every stage
+  stage i --hidden states (torch.distributed send/recv, gloo on CPU)--> stage i+1
+  last stage --ModelOutput (its pipe)--> engine's reader thread --> the oldest pending future
+
+Every stage receives the schedule up front, so a stage starts a micro-batch the moment the
+previous stage's hidden states arrive, and sends its own output without waiting for the next
+stage to be ready (isend). The engine never waits on a stage except through a future.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+
+from pipellm.config import EngineConfig
+from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.executor.base import Executor, WorkerDiedError
+from pipellm.executor.net import free_port
+
+logger = logging.getLogger(__name__)
+
+READY, ERROR = "ready", "error"
+STARTUP_TIMEOUT_S = 300.0
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.num_stages = config.pipeline_parallel_size
+        self._pending: deque[Future[ModelOutput]] = deque()
+        self._lock = threading.Lock()
+        self._dead: str | None = None
+        self._closed = False
+        context = mp.get_context("spawn")
+        port = free_port()
+        self.processes: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        for rank in range(self.num_stages):
+            parent_conn, child_conn = context.Pipe()
+            process = context.Process(
+                target=stage_main,
+                args=(config, rank, port, child_conn, os.getpid()),
+                name=f"pipellm-stage-{rank}",
+                daemon=True,
+            )
+            process.start()
+            child_conn.close()
+            self.processes.append(process)
+            self.conns.append(parent_conn)
+        # Reap the stages even if the owner forgets to call shutdown().
+        self._finalizer = weakref.finalize(self, _reap, self.processes, self.conns)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._reader = threading.Thread(target=self._read_outputs, daemon=True)
+        self._reader.start()
+
+    def _wait_ready(self) -> None:
+        """Waits for every stage's READY; a startup error or early exit raises at once."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(range(self.num_stages))
+        while waiting:
+            watched = {self.conns[r]: r for r in waiting}
+            watched.update({self.processes[r].sentinel: r for r in waiting})
+            ready = wait(list(watched), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerDiedError("pipeline stages did not start within the startup timeout")
+            for item in ready:
+                rank = watched[item]
+                if rank not in waiting:
+                    continue
+                conn = self.conns[rank]
+                if not conn.poll():
+                    raise WorkerDiedError(f"pipeline stage {rank} exited while starting")
+                kind, payload = conn.recv()
+                if kind == ERROR:
+                    raise WorkerDiedError(f"pipeline stage {rank} failed to start:\n{payload}")
+                waiting.discard(rank)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
+        future: Future[ModelOutput] = Future()
+        with self._lock:
+            if self._dead:
+                future.set_exception(WorkerDiedError(self._dead))
+                return future
+            self._pending.append(future)
+        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(payload)
+        except OSError as error:
+            self._fail(f"could not send a micro-batch to the pipeline stages: {error}")
+        return future
+
+    def _read_outputs(self) -> None:
+        """Resolves futures in submission order; turns a dead or failed stage into errors."""
+        last = self.conns[-1]
+        watched = {p.sentinel: r for r, p in enumerate(self.processes)}
+        watched.update({c: r for r, c in enumerate(self.conns)})
+        while not self._closed:
+            try:
+                ready = wait(list(watched), timeout=1.0)
+            except OSError:
+                break
+            for item in ready:
+                rank = watched[item]
+                if item is last:
+                    try:
+                        message = last.recv()
+                    except (EOFError, OSError):
+                        continue  # the sentinel tells why
+                    if isinstance(message, ModelOutput):
+                        with self._lock:
+                            future = self._pending.popleft()
+                        future.set_result(message)
+                        continue
+                    self._fail(f"pipeline stage {rank} failed:\n{message[1]}")
+                elif isinstance(item, Connection):
+                    try:
+                        _, detail = item.recv()
+                    except (EOFError, OSError):
+                        continue
+                    self._fail(f"pipeline stage {rank} failed:\n{detail}")
+                elif not self._closed:
+                    code = self.processes[rank].exitcode
+                    self._fail(
+                        f"pipeline stage {rank} (pid {self.processes[rank].pid}) died "
+                        f"with exit code {code}"
+                    )
+            if self._dead:
+                return
+
+    def _fail(self, reason: str, log: bool = True) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = reason
+                if log:
+                    logger.error(reason)
+            pending, self._pending = self._pending, deque()
+        for future in pending:
+            future.set_exception(WorkerDiedError(self._dead))
+
+    def check_health(self) -> None:
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        for rank, process in enumerate(self.processes):
+            if not process.is_alive():
+                raise WorkerDiedError(f"pipeline stage {rank} is not running")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._fail("the executor was shut down", log=False)
+        self._finalizer()
+
+
+def _reap(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
+    """Asks every stage to stop, then makes sure: terminate, then kill."""
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(None))
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5.0
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=2.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for conn in conns:
+        conn.close()
+
+
+# ---- inside a stage process -----------------------------------------------------------------
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A stage blocked in recv would never notice its engine is gone: poll and leave."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def stage_main(
+    config: EngineConfig, rank: int, port: int, conn: Connection, parent_pid: int
+) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        from pipellm.worker.stage_loop import StageLoop
+
+        loop = StageLoop(config, rank, port)
+        conn.send((READY, None))
+    except BaseException:
+        conn.send((ERROR, traceback.format_exc()))
+        return
+    try:
+        loop.run(conn)
+    except BaseException:
+        try:
+            conn.send((ERROR, traceback.format_exc()))
+        finally:
+            os._exit(1)  # peers may be blocked on this stage; the engine reaps them all

@@ -1,0 +1,36 @@
+"""One stage in the engine's own process: no pipeline, no IPC."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+
+from pipellm.config import EngineConfig
+from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.executor.base import Executor
+from pipellm.worker.worker import StageWorker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        torch.set_num_threads(config.threads_per_stage)
+        self.worker = StageWorker(config, stage_rank=0)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
+        future: Future[ModelOutput] = Future()
+        try:
+            started = time.time()
+            output = self.worker.execute(scheduler_output)
+            output.stage_times = [(started, time.time())]
+            future.set_result(output)
+        except BaseException as error:  # surfaced where the engine waits on the future
+            future.set_exception(error)
+        return future
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

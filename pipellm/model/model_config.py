@@ -1,0 +1,32 @@
+"""Architecture description of a Llama-family decoder, independent of where the weights live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model code needs to build a Llama/Mistral/Qwen2/SmolLM2 decoder.
+
+    Field names follow Hugging Face `config.json` so a reader can map them one to one.
+    """
+
+    architecture: str  # e.g. "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    # HF `rope_scaling` as the config states it (None = plain RoPE); see model/rope.py.
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)

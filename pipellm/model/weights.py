@@ -1,0 +1,185 @@
+"""Stream one pipeline stage's weights, under Hugging Face names, from safetensors or GGUF."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Container, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import torch
+from safetensors import safe_open
+
+from pipellm.model.gguf_file import open_gguf
+from pipellm.model.model_config import ModelConfig
+from pipellm.model.source import ModelSource
+
+_LAYER_WEIGHTS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "input_layernorm",
+    "post_attention_layernorm",
+)
+# Qwen2 has q/k/v biases; Llama with attention_bias=True has o_proj's too.
+_BIASED_PROJECTIONS = _LAYER_WEIGHTS[:4]
+
+# llama.cpp tensor names (the part between "blk.N." and ".weight") -> Hugging Face names.
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def iter_weights(
+    source: ModelSource,
+    config: ModelConfig,
+    layer_start: int,
+    layer_end: int,
+    is_first: bool,
+    is_last: bool,
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, tensor) for the weights of global layers [layer_start, layer_end).
+
+    The first stage gets the embedding; the last gets the final norm and lm_head, or, when the
+    embeddings are tied, "model.embed_tokens.weight" to use as lm_head. Attention biases are
+    yielded when the checkpoint has them. Only the stage's tensors are read from disk.
+    """
+    if not 0 <= layer_start <= layer_end <= config.num_hidden_layers:
+        raise ValueError(
+            f"layer range [{layer_start}, {layer_end}) is outside the model's "
+            f"{config.num_hidden_layers} layers"
+        )
+    stage = _Stage(config, layer_start, layer_end, is_first, is_last)
+    if source.kind == "hf":
+        yield from _iter_safetensors(source.path, stage, dtype)
+    else:
+        yield from _iter_gguf(source.path, stage, dtype)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    config: ModelConfig
+    layer_start: int
+    layer_end: int
+    is_first: bool
+    is_last: bool
+
+    def weight_names(self, available: Container[str]) -> Iterator[str]:
+        """The Hugging Face names this stage needs, biases included where `available` has them."""
+        if self.is_first or (self.is_last and self.config.tie_word_embeddings):
+            yield "model.embed_tokens.weight"
+        for layer in range(self.layer_start, self.layer_end):
+            prefix = f"model.layers.{layer}."
+            yield from (f"{prefix}{part}.weight" for part in _LAYER_WEIGHTS)
+            for projection in _BIASED_PROJECTIONS:
+                if f"{prefix}{projection}.bias" in available:
+                    yield f"{prefix}{projection}.bias"
+        if self.is_last:
+            yield "model.norm.weight"
+            if not self.config.tie_word_embeddings:
+                yield "lm_head.weight"
+
+
+def _missing(path: Path, name: str) -> ValueError:
+    return ValueError(f"checkpoint {path} has no tensor {name!r}, which this model needs")
+
+
+def _iter_safetensors(
+    folder: Path, stage: _Stage, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    file_of = _safetensors_file_map(folder)
+    with ExitStack() as stack:
+        # Shards open on first use: a stage touches only the shards holding its layers.
+        handles = {}
+        for name in stage.weight_names(file_of):
+            file = file_of.get(name)
+            if file is None:
+                raise _missing(folder, name)
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+            yield name, handles[file].get_tensor(name).to(dtype)
+
+
+def _safetensors_file_map(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the .safetensors file that holds it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    file_of = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        # Reading a file's keys parses only its small JSON header.
+        with safe_open(file, framework="pt") as handle:
+            file_of.update(dict.fromkeys(handle.keys(), file))
+    return file_of
+
+
+def _iter_gguf(path: Path, stage: _Stage, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    tensors = {}
+    for tensor in open_gguf(path).tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is not None:
+            tensors[hf_name] = tensor
+    for name in stage.weight_names(tensors):
+        if name not in tensors:
+            raise _missing(path, name)
+        weight = _dequantize(tensors[name])
+        # llama.cpp's converter permutes q/k rows for its rope layout; the model uses HF's.
+        if ".q_proj." in name:
+            weight = _unpermute_rope_rows(weight, stage.config.num_attention_heads)
+        elif ".k_proj." in name:
+            weight = _unpermute_rope_rows(weight, stage.config.num_key_value_heads)
+        yield name, weight.to(dtype)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor; None for tensors the model does not use."""
+    base, suffix = gguf_name.rsplit(".", 1)  # e.g. "blk.3.attn_q", "weight"
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        hf_part = _GGUF_LAYER_NAMES.get(part)
+        return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{suffix}"
+    hf_base = _GGUF_GLOBAL_NAMES.get(base)
+    return None if hf_base is None else f"{hf_base}.{suffix}"
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """A float32 tensor in Hugging Face's [out, in] shape (GGUF lists dimensions reversed)."""
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    # Unquantized tensors come back as views of the read-only memory map; torch wants to own them.
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of convert_hf_to_gguf.py's `permute` for q (query heads) or k (key/value heads).
+
+    The converter reorders each head's rows from HF's rotate-half layout (first half, second
+    half) to llama.cpp's interleaved pairs: reshape(heads, 2, d/2) -> swap -> (heads, d/2, 2).
+    """
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )

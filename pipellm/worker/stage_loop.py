@@ -1,0 +1,75 @@
+"""The loop a pipeline stage process runs: schedule in, hidden states through, tokens out."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from pipellm.config import EngineConfig
+from pipellm.worker.worker import StageWorker
+
+MAX_PENDING_SENDS = 8  # bounded: a send's tensor must stay alive until it completes
+
+
+class StageLoop:
+    def __init__(self, config: EngineConfig, rank: int, port: int) -> None:
+        torch.set_num_threads(config.threads_per_stage)
+        # NOTE: gloo would otherwise pick the interface of the host name; keep it on loopback.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.rank, self.num_stages = rank, config.pipeline_parallel_size
+        self.is_first, self.is_last = rank == 0, rank == self.num_stages - 1
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=self.num_stages,
+        )
+        self.worker = StageWorker(config, rank)
+        self.hidden_size = config.model_config.hidden_size
+        self.dtype = config.torch_dtype
+        self.pending_sends: deque[tuple[list[dist.Work], list[torch.Tensor]]] = deque()
+
+    def run(self, conn: Connection) -> None:
+        try:
+            while (scheduler_output := pickle.loads(conn.recv_bytes())) is not None:
+                hidden_in, times = None, torch.empty(0, 2, dtype=torch.float64)
+                if not self.is_first:
+                    hidden_in = torch.empty(
+                        scheduler_output.num_tokens, self.hidden_size, dtype=self.dtype
+                    )
+                    times = torch.empty(self.rank, 2, dtype=torch.float64)
+                    dist.recv(hidden_in, src=self.rank - 1)
+                    dist.recv(times, src=self.rank - 1)
+                started = time.time()  # busy time starts when the inputs are here
+                output = self.worker.execute(scheduler_output, hidden_in)
+                times = torch.cat(
+                    [times, torch.tensor([[started, time.time()]], dtype=torch.float64)]
+                )
+                if self.is_last:
+                    output.stage_times = [tuple(t) for t in times.tolist()]
+                    conn.send(output)
+                else:
+                    self._send_async([output, times])
+        finally:
+            for works, _ in self.pending_sends:
+                for work in works:
+                    work.wait()
+            dist.destroy_process_group()
+
+    def _send_async(self, tensors: list[torch.Tensor]) -> None:
+        """Sends without waiting for the next stage to be ready for it."""
+        tensors = [t.contiguous() for t in tensors]
+        works = [dist.isend(t, dst=self.rank + 1) for t in tensors]
+        self.pending_sends.append((works, tensors))
+        while len(self.pending_sends) > MAX_PENDING_SENDS or (
+            self.pending_sends and all(w.is_completed() for w in self.pending_sends[0][0])
+        ):
+            for work in self.pending_sends.popleft()[0]:
+                work.wait()

@@ -1,0 +1,66 @@
+"""One pipeline stage: its layers' weights, their KV cache, and the step function."""
+
+from __future__ import annotations
+
+import torch
+
+from pipellm.config import EngineConfig
+from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.model.llama import LlamaStage
+from pipellm.model.sampler import sample
+from pipellm.model.weights import iter_weights
+from pipellm.worker.model_runner import ModelRunner
+from pipellm.worker.partition import partition_layers
+
+
+class StageWorker:
+    def __init__(self, config: EngineConfig, stage_rank: int) -> None:
+        self.config = config
+        self.stage_rank = stage_rank
+        num_stages = config.pipeline_parallel_size
+        self.is_first, self.is_last = stage_rank == 0, stage_rank == num_stages - 1
+        mc = config.model_config
+        start, end = partition_layers(mc.num_hidden_layers, num_stages)[stage_rank]
+        self.model = LlamaStage(mc, start, end, self.is_first, self.is_last, config.torch_dtype)
+        if config.load_format == "dummy":
+            self.model.init_dummy_weights(config.seed)
+        else:
+            self.model.load_weights(
+                iter_weights(
+                    config.source, mc, start, end, self.is_first, self.is_last, config.torch_dtype
+                )
+            )
+        self.model.eval()
+        num_slots = config.num_kv_blocks * config.block_size
+        cache_shape = (num_slots, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(cache_shape, dtype=config.cache_dtype),
+                torch.zeros(cache_shape, dtype=config.cache_dtype),
+            )
+            for _ in range(start, end)
+        ]
+        self.runner = ModelRunner(config.block_size)
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduler_output: SchedulerOutput, hidden_in: torch.Tensor | None = None
+    ) -> torch.Tensor | ModelOutput:
+        """Runs this stage's layers; the last stage samples and returns a ModelOutput."""
+        self.runner.update_states(scheduler_output)
+        input_ids, batch = self.runner.prepare(scheduler_output)
+        hidden = self.model(input_ids if self.is_first else hidden_in, batch, self.kv_caches)
+        if not self.is_last:
+            return hidden
+        sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
+        tokens, logprobs = [], None
+        if sampled:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            items = [scheduler_output.requests[i] for i in sampled]
+            params = [self.runner.requests[item.request_id].sampling_params for item in items]
+            positions = [item.num_output_tokens for item in items]
+            tokens, logprobs = sample(logits, params, positions, self.generator)
+            if all(lp is None for lp in logprobs):
+                logprobs = None
+        return ModelOutput(scheduler_output.step_id, tokens, logprobs)

@@ -1,0 +1,109 @@
+"""Tiny Hugging Face checkpoints built on the spot, so tests need no download."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tokenizers
+import torch
+import transformers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2  # as SmolLM2: <|im_start|> and <|im_end|>
+
+# ChatML, as SmolLM2 and Qwen2 write it.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Pipeline parallelism keeps every stage busy with its own micro-batch.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000; prices $3.50 and 42%.",
+    "Le café est très bon. Über Straße. 日本語のテキスト. Emoji 😀👍.",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n",
+    "<|im_start|>assistant\nThe capital of France is Paris.<|im_end|>\n",
+]
+
+_CONFIG_CLASSES = {
+    "llama": transformers.LlamaConfig,
+    "tied": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "mistral": transformers.MistralConfig,
+}
+
+
+def make_tiny_tokenizer(vocab_size: int = 300) -> tokenizers.Tokenizer:
+    """A byte-level BPE (GPT-2 style, like SmolLM2's) trained on a few sentences, with
+    SPECIAL_TOKENS at ids 0-2. Deterministic; every byte is in its alphabet."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT, trainer)
+    return tokenizer
+
+
+def make_tiny_checkpoint(
+    directory: Path,
+    arch: str = "llama",
+    num_layers: int = 4,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Write a tiny seeded Hugging Face checkpoint into `directory` and return it.
+
+    arch: "llama", "qwen2" (q/k/v biases), "mistral", or "tied" (llama with lm_head tied to the
+    embedding). Shape: hidden 64, 4 heads of 16 with 2 KV heads (GQA), intermediate 128,
+    max_position_embeddings 512, vocabulary = the tiny tokenizer's (300 tokens). Every weight,
+    biases and norms included, is random (std 0.1) so that logits are decisive and a wrongly
+    loaded tensor shows. max_shard_size (e.g. "20KB") splits the weights into several
+    .safetensors files with model.safetensors.index.json. The folder also holds tokenizer.json
+    and tokenizer_config.json (ChatML template, bos <|im_start|>, eos <|im_end|>).
+    """
+    directory = Path(directory)
+    tokenizer = make_tiny_tokenizer()
+    config = _CONFIG_CLASSES[arch](
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        tie_word_embeddings=arch == "tied",
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.1)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[BOS_TOKEN_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_TOKEN_ID],
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return directory

@@ -1,0 +1,98 @@
+"""End to end: pipellm's greedy tokens equal transformers' on tiny seeded checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pipellm import LLM, SamplingParams
+from tests.checkpoints import make_tiny_checkpoint
+
+NUM_NEW_TOKENS = 32
+PROMPT_LENGTHS = (3, 17, 40, 64, 9, 33)
+
+
+def make_prompts(vocab_size: int, shared_prefix: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1234)
+    prefix = torch.randint(3, vocab_size, (shared_prefix,), generator=generator).tolist()
+    return [
+        prefix + torch.randint(3, vocab_size, (n,), generator=generator).tolist()
+        for n in PROMPT_LENGTHS
+    ]
+
+
+def reference_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
+    """Plain full-recompute greedy decoding with transformers, one prompt at a time."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(NUM_NEW_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outputs.append(ids[len(prompt) :])
+    return outputs
+
+
+def build_case(arch: str, tmp_path_factory):
+    directory = make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch=arch)
+    prompts = make_prompts(vocab_size=300, shared_prefix=20)
+    return directory, prompts, reference_greedy(directory, prompts)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "tied", "mistral"])
+def checkpoint(request, tmp_path_factory):
+    return build_case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    return build_case("llama", tmp_path_factory)
+
+
+def generate(model_dir, prompts, **engine_args) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    with LLM(str(model_dir), **engine_args) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, "every block is free afterwards"
+        assert all(count == 0 for count in bm.ref_counts)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_matches_transformers(checkpoint):
+    directory, prompts, expected = checkpoint
+    assert generate(directory, prompts) == expected
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+        dict(enable_chunked_prefill=False, max_model_len=128, max_num_batched_tokens=128),
+        dict(enable_prefix_caching=False),
+        dict(max_num_seqs=2),
+        # 12 blocks of 16 tokens cannot hold six growing sequences: forces preemption.
+        dict(kv_cache_memory=12 * 16 * 2 * 4 * 2 * 16 * 4, max_model_len=128),
+    ],
+    ids=["chunked", "no-chunking", "no-prefix-cache", "few-seqs", "preemption"],
+)
+def test_scheduling_choices_do_not_change_tokens(llama_checkpoint, engine_args):
+    directory, prompts, expected = llama_checkpoint
+    assert generate(directory, prompts, **engine_args) == expected
+
+
+def test_prefix_cache_hits_and_preemption_happen(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path / "m")
+    prompts = make_prompts(vocab_size=300, shared_prefix=40)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    with LLM(
+        str(directory), kv_cache_memory=12 * 16 * 2 * 4 * 2 * 16 * 4, max_model_len=128
+    ) as llm:
+        first = llm.generate(prompts[:1], params, use_tqdm=False)
+        rest = llm.generate(prompts[1:], params, use_tqdm=False)
+        assert first[0].num_cached_tokens == 0
+        assert all(o.num_cached_tokens >= 32 for o in rest[:1])
+        assert llm.engine.scheduler.num_preemptions > 0
