@@ -15,6 +15,7 @@ from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.output_processor import TextState
 from pipellm.engine.outputs import EngineOutput
+from pipellm.engine.pipeline_stats import PipelineStats
 from pipellm.engine.request import Request
 from pipellm.engine.scheduler import Scheduler, SchedulerConfig
 from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
@@ -68,6 +69,9 @@ class EngineCore:
         self.batch_queue_depth = self.executor.num_stages
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         self.texts: dict[str, TextState] = {}
+        self.pipeline_stats = PipelineStats(self.executor.num_stages)
+        self.num_prompt_tokens = 0  # counters for metrics: prompt tokens admitted
+        self.num_generation_tokens = 0
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -87,6 +91,7 @@ class EngineCore:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         request = Request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids)
         self.scheduler.add_request(request)
+        self.num_prompt_tokens += len(prompt_token_ids)
         self.texts[request_id] = TextState(self.tokenizer, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
@@ -104,18 +109,41 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is None:
                 break
+            self.pipeline_stats.on_submit(
+                scheduler_output.step_id,
+                len(scheduler_output.requests),
+                scheduler_output.num_tokens,
+                len(self.in_flight) + 1,
+            )
             self.in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
         if not self.in_flight:
             return []
         scheduler_output, future = self.in_flight.popleft()
         model_output = future.result()
+        self.pipeline_stats.on_done(scheduler_output.step_id, model_output.stage_times)
         return self._apply(scheduler_output, model_output)
+
+    def stats(self) -> dict:
+        """A snapshot for logs and /metrics."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.block_manager.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.block_manager.num_prefix_queries,
+            "prefix_cache_hits": self.block_manager.num_prefix_hits,
+            "num_in_flight": len(self.in_flight),
+            "prompt_tokens_total": self.num_prompt_tokens,
+            "generation_tokens_total": self.num_generation_tokens,
+            "pipeline": self.pipeline_stats.summary(),
+        }
 
     def _apply(
         self, scheduler_output: SchedulerOutput, model_output: ModelOutput
     ) -> list[EngineOutput]:
         outputs = []
         for update in self.scheduler.update_from_output(scheduler_output, model_output):
+            self.num_generation_tokens += 1
             request = update.request
             text = self.texts[request.request_id]
             delta, stop_string = text.push(update.token_id, update.finished)
@@ -142,3 +170,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.config.trace_file:
+            self.pipeline_stats.write_trace(self.config.trace_file)
+            logger.info("wrote pipeline trace to %s", self.config.trace_file)

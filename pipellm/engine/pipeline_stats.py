@@ -1,0 +1,104 @@
+"""Where pipeline time goes: per-stage busy time, bubbles, in-flight depth, micro-batch sizes.
+
+Every micro-batch reports when each stage started and finished computing it. A stage's
+*bubble* is the time it sat idle while the engine had work in flight (the union of all
+micro-batches' submit-to-done intervals), so an idle server shows no bubbles.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class MicroBatchRecord:
+    step_id: int
+    submitted: float
+    done: float
+    num_requests: int
+    num_tokens: int
+    queue_depth: int  # micro-batches in flight right after this one was submitted
+    stage_times: list[tuple[float, float]]
+
+
+class PipelineStats:
+    def __init__(self, num_stages: int, max_records: int = 200_000) -> None:
+        self.num_stages = num_stages
+        self.max_records = max_records
+        self.records: list[MicroBatchRecord] = []
+        self._submitted: dict[int, tuple[float, int, int, int]] = {}
+
+    def on_submit(self, step_id: int, num_requests: int, num_tokens: int, depth: int) -> None:
+        self._submitted[step_id] = (time.time(), num_requests, num_tokens, depth)
+
+    def on_done(self, step_id: int, stage_times: list[tuple[float, float]]) -> None:
+        submitted, num_requests, num_tokens, depth = self._submitted.pop(step_id)
+        if len(self.records) < self.max_records:
+            self.records.append(
+                MicroBatchRecord(
+                    step_id, submitted, time.time(), num_requests, num_tokens, depth, stage_times
+                )
+            )
+
+    def summary(self, since: float = 0.0) -> dict[str, float | list[float]]:
+        """Figures over the micro-batches submitted at or after `since` (a time.time())."""
+        records = [r for r in self.records if r.submitted >= since]
+        if not records:
+            return {"num_micro_batches": 0}
+        active = _union_length([(r.submitted, r.done) for r in records])
+        busy = [0.0] * self.num_stages
+        for r in records:
+            for stage, (start, end) in enumerate(r.stage_times):
+                busy[stage] += end - start
+        busy_fraction = [min(1.0, b / active) if active > 0 else 0.0 for b in busy]
+        return {
+            "num_micro_batches": len(records),
+            "active_s": active,
+            "stage_busy_s": busy,
+            "stage_busy_fraction": busy_fraction,
+            "stage_idle_fraction": [1.0 - f for f in busy_fraction],
+            "mean_queue_depth": sum(r.queue_depth for r in records) / len(records),
+            "max_queue_depth": max(r.queue_depth for r in records),
+            "mean_requests_per_micro_batch": sum(r.num_requests for r in records) / len(records),
+            "mean_tokens_per_micro_batch": sum(r.num_tokens for r in records) / len(records),
+        }
+
+    def write_trace(self, path: str) -> None:
+        """Chrome/Perfetto trace JSON: one lane per stage, one slice per micro-batch."""
+        events: list[dict] = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": s, "args": {"name": f"stage {s}"}}
+            for s in range(self.num_stages)
+        ]
+        origin = min((r.submitted for r in self.records), default=0.0)
+        for r in self.records:
+            args = {"requests": r.num_requests, "tokens": r.num_tokens, "queue": r.queue_depth}
+            for stage, (start, end) in enumerate(r.stage_times):
+                events.append(
+                    {
+                        "name": f"mb {r.step_id}",
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": stage,
+                        "ts": (start - origin) * 1e6,
+                        "dur": (end - start) * 1e6,
+                        "args": args,
+                    }
+                )
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, current_start, current_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += current_end - current_start
+    return total
