@@ -45,6 +45,10 @@ class EngineCore:
         self.config = config
         source = resolve_model(config.tokenizer) if config.tokenizer else config.source
         self.tokenizer: Tokenizer = load_tokenizer(source)
+        # generation_config.json may name more end tokens than the tokenizer does.
+        self.eos_token_ids = tuple(
+            sorted(set(self.tokenizer.eos_token_ids) | set(config.model_config.eos_token_ids))
+        )
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -89,7 +93,7 @@ class EngineCore:
         vocab = self.config.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        request = Request(request_id, prompt_token_ids, params, self.tokenizer.eos_token_ids)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         self.scheduler.add_request(request)
         self.num_prompt_tokens += len(prompt_token_ids)
         self.texts[request_id] = TextState(self.tokenizer, prompt_token_ids, params)

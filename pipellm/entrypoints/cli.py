@@ -32,6 +32,45 @@ def _generate(args: argparse.Namespace) -> None:
         llm.shutdown()
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from pipellm.engine.core_process import EngineStartupError
+    from pipellm.entrypoints.openai_server import run_server
+
+    try:
+        run_server(args)
+    except EngineStartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from pipellm.entrypoints.engine_args import add_engine_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve MODEL over the OpenAI API: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics, /version.",
+    )
+    serve.add_argument(
+        "model", nargs="?", help="local HF folder, .gguf, or built-in preset (default: SmolLM2)"
+    )
+    server = serve.add_argument_group("server")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)"
+    )
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    server.add_argument(
+        "--served-model-name", help="model id in the API (default: the MODEL argument)"
+    )
+    server.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PIPELLM_API_KEY)",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
+
 def _demo(args: argparse.Namespace) -> None:
     from pipellm.entrypoints.demo import run_demo
 
@@ -52,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    _add_serve_parser(sub)
 
     demo = sub.add_parser("demo", help="the main job on the built-in model")
     demo.set_defaults(func=_demo)

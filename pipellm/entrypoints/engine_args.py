@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
-from pipellm.config import EngineConfig
+if TYPE_CHECKING:
+    from pipellm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Builds and validates the config; reports flags that do nothing on this device."""
+    from pipellm.config import EngineConfig  # NOTE: here, so `bench serve` needs no torch
+
     names = EngineConfig.field_names()
     config = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
     if not _has_cuda():

@@ -42,7 +42,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_output_bias)
 
     def forward(
         self,
@@ -101,13 +101,17 @@ class LlamaStage(nn.Module):
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first, self.is_last = is_first, is_last
         hidden, vocab = config.hidden_size, config.vocab_size
-        needs_embedding = is_first or (is_last and config.tie_word_embeddings)
-        self.embed_tokens = nn.Embedding(vocab, hidden) if needs_embedding else None
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(layer_start, layer_end))
-        self.norm = RMSNorm(hidden, config.rms_norm_eps) if is_last else None
-        self.lm_head = None
-        if is_last and not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        # NOTE: built on the meta device: weights arrive from the loader (or the dummy
+        # initializer) as ready tensors, so random init and a second copy are never paid for.
+        with torch.device("meta"):
+            needs_embedding = is_first or (is_last and config.tie_word_embeddings)
+            self.embed_tokens = nn.Embedding(vocab, hidden) if needs_embedding else None
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(layer_start, layer_end))
+            self.norm = RMSNorm(hidden, config.rms_norm_eps) if is_last else None
+            self.lm_head = None
+            if is_last and not config.tie_word_embeddings:
+                self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.dtype = dtype
         self.rope = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -115,7 +119,6 @@ class LlamaStage(nn.Module):
             config.rope_scaling,
             dtype,
         )
-        self.to(dtype)
 
     def forward(
         self,
@@ -145,22 +148,26 @@ class LlamaStage(nn.Module):
             return local_name
         return f"model.{local_name}"
 
+    def _set_parameter(self, local_name: str, tensor: torch.Tensor) -> None:
+        module_name, _, attr = local_name.rpartition(".")
+        module = self.get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(tensor.to(self.dtype), requires_grad=False))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors into parameters; every parameter must be provided."""
-        params = {self.checkpoint_name(n): p for n, p in self.named_parameters()}
+        """Takes checkpoint tensors as the parameters; every parameter must be provided."""
+        params = {self.checkpoint_name(n): (n, p.shape) for n, p in self.named_parameters()}
         missing = set(params)
-        with torch.no_grad():
-            for name, tensor in weights:
-                param = params.get(name)
-                if param is None:
-                    continue  # e.g. a tied lm_head stored anyway
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"weight {name}: checkpoint shape {tuple(tensor.shape)} "
-                        f"!= model shape {tuple(param.shape)}"
-                    )
-                param.copy_(tensor)
-                missing.discard(name)
+        for name, tensor in weights:
+            if name not in params:
+                continue  # e.g. a tied lm_head stored anyway
+            local_name, shape = params[name]
+            if tensor.shape != shape:
+                raise ValueError(
+                    f"weight {name}: checkpoint shape {tuple(tensor.shape)} "
+                    f"!= model shape {tuple(shape)}"
+                )
+            self._set_parameter(local_name, tensor)
+            missing.discard(name)
         if missing:
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]} ...")
 
@@ -169,11 +176,11 @@ class LlamaStage(nn.Module):
 
         Each tensor is seeded by its checkpoint name, so any stage split gives the same model.
         """
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                    continue
+        for name, param in list(self.named_parameters()):
+            if name.endswith("norm.weight"):
+                tensor = torch.ones(param.shape)
+            else:
                 key = zlib.crc32(self.checkpoint_name(name).encode())
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + key)
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+                tensor = torch.randn(param.shape, generator=generator) * 0.02
+            self._set_parameter(name, tensor)

@@ -25,7 +25,8 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    attention_bias: bool = False  # q/k/v projections have a bias (Qwen2, some Llamas)
+    attention_output_bias: bool = False  # o_proj has one too (Llama with attention_bias)
     # HF `rope_scaling` as the config states it (None = plain RoPE); see model/rope.py.
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None

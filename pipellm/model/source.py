@@ -123,6 +123,7 @@ def _config_from_hf(folder: Path) -> ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
             # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
             attention_bias=architecture == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            attention_output_bias=cfg.get("attention_bias", False),
             rope_scaling=rope_scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_token_ids(cfg, folder),

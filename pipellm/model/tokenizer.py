@@ -125,10 +125,8 @@ def _load_hf(folder: Path) -> Tokenizer:
         chat_template = template_file.read_text()
     else:
         chat_template = _named_template(config.get("chat_template"))
-    bos_token, eos_token = (
-        _token_content(config.get("bos_token")),
-        _token_content(config.get("eos_token")),
-    )
+    bos_token = _token_content(config.get("bos_token"))
+    eos_token = _token_content(config.get("eos_token"))
     return Tokenizer(
         backend,
         bos_token_id=None if bos_token is None else backend.token_to_id(bos_token),

@@ -1,0 +1,153 @@
+"""Pipeline parallelism: same tokens at any stage count, a full batch queue, clean failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import Future
+
+import psutil
+import pytest
+
+from pipellm import LLM, SamplingParams
+from pipellm.config import EngineConfig
+from pipellm.engine.core import EngineCore
+from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.executor.base import Executor, WorkerDiedError
+from tests.checkpoints import make_tiny_checkpoint
+from tests.conftest import assert_no_children
+
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def six_layers(tmp_path_factory):
+    directory = make_tiny_checkpoint(tmp_path_factory.mktemp("six"), num_layers=6)
+    prompts = [[3 + (i * 7 + j) % 290 for j in range(5 + 9 * i)] for i in range(8)]
+    with LLM(str(directory)) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    return directory, prompts, expected
+
+
+@pytest.mark.parametrize(
+    "stages, balance, chunked",
+    [(2, True, True), (2, False, True), (3, True, True), (3, True, False), (2, False, False)],
+)
+def test_same_tokens_at_every_pipeline_size(six_layers, reaped, stages, balance, chunked):
+    directory, prompts, expected = six_layers
+    engine_args = dict(
+        pipeline_parallel_size=stages,
+        pp_balance=balance,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=32 if chunked else 512,
+        max_model_len=512,
+        max_num_seqs=4,
+    )
+    with LLM(str(directory), **engine_args) as llm:
+        outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        summary = llm.engine.stats()["pipeline"]
+        assert len(summary["stage_busy_fraction"]) == stages
+        if balance:
+            assert summary["max_queue_depth"] >= 2, "micro-batches overlapped"
+
+
+class RecordingExecutor(Executor):
+    """Answers every micro-batch at once with token 7 and remembers what was in flight."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self.core: EngineCore | None = None
+        self.depths: list[int] = []
+        self.overlaps: list[set[str]] = []
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
+        in_flight = {r.request_id for out, _ in self.core.in_flight for r in out.requests}
+        self.overlaps.append(in_flight & {r.request_id for r in scheduler_output.requests})
+        self.depths.append(len(self.core.in_flight) + 1)
+        future: Future[ModelOutput] = Future()
+        future.set_result(ModelOutput(scheduler_output.step_id, [7] * scheduler_output.num_sampled))
+        return future
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def run_with_recorder(directory, stages: int, balance: bool, prompt_len: int, num: int):
+    config = EngineConfig(
+        model=str(directory),
+        max_num_seqs=8,
+        max_num_batched_tokens=32 * prompt_len,
+        pp_balance=balance,
+        pipeline_parallel_size=stages,
+        distributed_executor_backend="mp",
+    )
+    recorder = RecordingExecutor(stages)
+    core = EngineCore(config, executor=recorder)
+    recorder.core = core
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    next_id = 0
+    # Keep 8 requests open, like a client with max concurrency 8 (the seed's workload).
+    while next_id < num or core.has_unfinished_requests():
+        while next_id < num and len(core.scheduler.requests) < 8:
+            core.add_request(str(next_id), [5] * prompt_len, params)
+            next_id += 1
+        core.step()
+    return recorder
+
+
+def test_queue_fills_to_the_pipeline_depth_and_requests_never_overlap(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path / "m")
+    recorder = run_with_recorder(directory, stages=4, balance=True, prompt_len=40, num=32)
+    assert max(recorder.depths) == 4
+    assert not any(recorder.overlaps), "a request was in two in-flight micro-batches"
+
+
+def test_without_balancing_the_seed_workload_never_overlaps_micro_batches(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path / "m")
+    recorder = run_with_recorder(directory, stages=4, balance=False, prompt_len=40, num=32)
+    assert max(recorder.depths) == 1
+
+
+def test_a_killed_stage_is_a_clear_error_not_a_hang(six_layers, reaped):
+    directory, prompts, _ = six_layers
+    llm = LLM(str(directory), pipeline_parallel_size=2)
+    try:
+        victim = llm.engine.executor.processes[1].pid
+        os.kill(victim, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="stage 1"):
+            llm.generate(prompts * 20, SamplingParams(max_tokens=200), use_tqdm=False)
+        assert time.monotonic() - started < 10
+    finally:
+        llm.shutdown()
+
+
+def test_stages_are_reaped_when_the_owner_exits_without_shutdown(six_layers, tmp_path):
+    directory, _, _ = six_layers
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        from pipellm import LLM
+        llm = LLM({str(directory)!r}, pipeline_parallel_size=2)
+        print(",".join(str(p.pid) for p in llm.engine.executor.processes), flush=True)
+        raise KeyboardInterrupt
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert "KeyboardInterrupt" in result.stderr
+    pids = [int(p) for p in result.stdout.strip().splitlines()[-1].split(",")]
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) for p in pids)
+    assert_no_children()
