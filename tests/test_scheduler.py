@@ -175,3 +175,52 @@ def test_workers_receive_only_new_tokens_after_the_first_step():
     first, *later = [o.requests[0] for o in history]
     assert len(first.new_token_ids) == 10 and first.is_new
     assert all(len(r.new_token_ids) == 1 and not r.is_new for r in later)
+
+
+def test_balancing_splits_token_work_evenly_over_the_micro_batches():
+    scheduler = make_scheduler(
+        num_blocks=1024,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        num_micro_batches=2,
+    )
+    for i in range(6):
+        add(scheduler, str(i), prompt_len=1000, max_tokens=4)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert first.num_tokens == second.num_tokens == 3000
+
+
+def test_balancing_does_not_split_a_lone_prompt():
+    scheduler = make_scheduler(
+        max_num_batched_tokens=4096, max_model_len=2048, num_micro_batches=2, num_blocks=256
+    )
+    add(scheduler, "only", prompt_len=1000, max_tokens=4)
+    assert scheduler.schedule().num_tokens == 1000
+
+
+def test_balanced_micro_batches_stay_close_in_steady_state():
+    """Closed loop, 8 at a time, two micro-batches in flight: consecutive micro-batches
+    carry comparable token counts once the first prompts are through."""
+    scheduler = make_scheduler(
+        num_blocks=4096,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        max_model_len=4096,
+        num_micro_batches=2,
+    )
+    in_flight: deque[SchedulerOutput] = deque()
+    sizes, submitted = [], 0
+    while submitted < 32 or scheduler.has_unfinished():
+        while submitted < 32 and len(scheduler.requests) < 8:
+            add(scheduler, str(submitted), prompt_len=500 + 37 * (submitted % 7), max_tokens=16)
+            submitted += 1
+        while len(in_flight) < 2 and (out := scheduler.schedule()) is not None:
+            in_flight.append(out)
+            sizes.append(out.num_tokens)
+        done = in_flight.popleft()
+        scheduler.update_from_output(done, fake_output(done))
+    big = max(sizes)
+    assert big <= 8192 // 2 + 8, "no micro-batch takes more than its share of the work"

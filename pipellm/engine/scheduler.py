@@ -46,6 +46,8 @@ class Scheduler:
         self._freed_ids: list[str] = []
         self._next_step_id = 0
         self.num_preemptions = 0
+        self.num_in_flight_tokens = 0  # scheduled tokens whose micro-batch has not returned
+        self.num_in_flight_batches = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -81,10 +83,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_in_flight_requests(self) -> int:
-        return sum(r.in_flight for r in self.running)
-
     # ---- forming a micro-batch -----------------------------------------------------------
 
     def _preempt(self, request: Request) -> None:
@@ -116,21 +114,55 @@ class Scheduler:
             return max(1, cfg.max_num_seqs // cfg.num_micro_batches)
         return cfg.max_num_seqs
 
+    def _token_budget(self) -> int:
+        """Tokens for the micro-batch being formed.
+
+        Balanced pipelines give each micro-batch an equal share of the outstanding work (tokens
+        in flight plus tokens ready to schedule), so stage times match and no stage waits on a
+        heavy micro-batch while a light one has already passed. The share is taken over no more
+        micro-batches than there are requests able to fill them: one lone prompt is not split.
+        """
+        cfg = self.config
+        if not (cfg.pp_balance and cfg.num_micro_batches > 1):
+            return cfg.max_num_batched_tokens
+        ready = [r for r in self.running if not r.in_flight and r.status == RequestStatus.RUNNING]
+        ready += list(self.waiting)[: max(0, cfg.max_num_seqs - len(self.running))]
+        if not ready:
+            return cfg.max_num_batched_tokens
+        work = self.num_in_flight_tokens + sum(r.num_tokens - r.num_computed_tokens for r in ready)
+        ways = min(cfg.num_micro_batches, self.num_in_flight_batches + len(ready))
+        return max(1, min(cfg.max_num_batched_tokens, -(-work // ways)))
+
+    def _take(self, num_new: int, budget: int, batch_empty: bool) -> int:
+        """How many of a request's remaining tokens go in this micro-batch (0: none)."""
+        if num_new <= budget:
+            return num_new
+        if self.config.enable_chunked_prefill:
+            return budget
+        # Whole prompts only: the first may exceed the balanced share, never the hard cap.
+        if batch_empty and num_new <= self.config.max_num_batched_tokens:
+            return num_new
+        return 0
+
     def schedule(self) -> SchedulerOutput | None:
         """Forms the next micro-batch, or returns None when nothing can run now."""
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
+        budget = self._token_budget()
         chunks: list[tuple[Request, int, bool]] = []  # (request, tokens, is_new)
 
-        for request in list(self.running):
-            if budget == 0:
+        # Decodes first (one token each, latency-bound), then unfinished prompt chunks.
+        ready = [r for r in self.running if not r.in_flight and r.status == RequestStatus.RUNNING]
+        ready.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in ready:
+            if budget <= 0:
                 break
-            if request.in_flight or request.status != RequestStatus.RUNNING:
+            if request.status != RequestStatus.RUNNING:  # preempted for an earlier request
                 continue
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget and not cfg.enable_chunked_prefill:
+            num_new = self._take(
+                request.num_tokens - request.num_computed_tokens, budget, not chunks
+            )
+            if num_new == 0:
                 continue
-            num_new = min(num_new, budget)
             if not self._allocate_or_preempt(request, num_new):
                 break  # FCFS: a newer request must not take the blocks this one waits for
             chunks.append((request, num_new, request.num_tokens_sent == 0))
@@ -144,10 +176,9 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
-            num_new = request.num_tokens - num_cached_tokens
-            if num_new > budget and not cfg.enable_chunked_prefill:
+            num_new = self._take(request.num_tokens - num_cached_tokens, budget, not chunks)
+            if num_new == 0:
                 break
-            num_new = min(num_new, budget)
             bm = self.block_manager
             newly_taken = sum(bm.ref_counts[b] == 0 for b in cached)
             extra = bm.blocks_needed(num_cached_tokens + num_new) - len(cached)
@@ -189,6 +220,8 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             scheduled.append(item)
         output = SchedulerOutput(self._next_step_id, scheduled, self._freed_ids)
+        self.num_in_flight_tokens += output.num_tokens
+        self.num_in_flight_batches += 1
         self._freed_ids = []
         self._next_step_id += 1
         return output
@@ -200,6 +233,8 @@ class Scheduler:
     ) -> list[TokenUpdate]:
         """Appends sampled tokens in submission order and applies token-level stop rules."""
         assert model_output.step_id == scheduler_output.step_id, "outputs applied out of order"
+        self.num_in_flight_tokens -= scheduler_output.num_tokens
+        self.num_in_flight_batches -= 1
         updates = []
         sampled = iter(model_output.sampled_token_ids)
         logprobs = iter(model_output.logprobs or [])
