@@ -8,6 +8,7 @@ scheduled, block on the *oldest* in-flight micro-batch and apply its output.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -25,6 +26,8 @@ from pipellm.model.tokenizer import Tokenizer, load_tokenizer
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_S = 10.0
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -74,6 +77,7 @@ class EngineCore:
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         self.texts: dict[str, TextState] = {}
         self.pipeline_stats = PipelineStats(self.executor.num_stages)
+        self._last_log = time.time()
         self.num_prompt_tokens = 0  # counters for metrics: prompt tokens admitted
         self.num_generation_tokens = 0
 
@@ -125,7 +129,27 @@ class EngineCore:
         scheduler_output, future = self.in_flight.popleft()
         model_output = future.result()
         self.pipeline_stats.on_done(scheduler_output.step_id, model_output.stage_times)
+        self._maybe_log_stats()
         return self._apply(scheduler_output, model_output)
+
+    def _maybe_log_stats(self) -> None:
+        now = time.time()
+        if now - self._last_log < STATS_LOG_INTERVAL_S:
+            return
+        summary = self.pipeline_stats.summary(since=self._last_log)
+        self._last_log = now
+        if summary["num_micro_batches"]:
+            logger.info(
+                "running %d, waiting %d, KV cache %.0f%% | stage busy %s | queue depth %.1f | "
+                "micro-batch %.1f requests, %.0f tokens",
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+                100 * self.block_manager.usage,
+                " ".join(f"{f:.0%}" for f in summary["stage_busy_fraction"]),
+                summary["mean_queue_depth"],
+                summary["mean_requests_per_micro_batch"],
+                summary["mean_tokens_per_micro_batch"],
+            )
 
     def stats(self) -> dict:
         """A snapshot for logs and /metrics."""
