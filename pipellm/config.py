@@ -99,7 +99,13 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads <= 0:
             _fail("num_threads", self.num_threads, "use a positive integer")
 
-        self.source = resolve_model(self.model)
+        self.source = resolve_model(self.model, require_weights=self.load_format != "dummy")
+        wanted = {"safetensors": "hf", "gguf": "gguf"}.get(self.load_format)
+        if wanted and wanted != self.source.kind:
+            kinds = {"hf": "a Hugging Face safetensors folder", "gguf": "a .gguf file"}
+            _fail(
+                "load_format", self.load_format, f"{self.source.path} is {kinds[self.source.kind]}"
+            )
         self.model_config = load_model_config(self.source)
         self._check_against_model()
 

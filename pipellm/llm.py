@@ -52,14 +52,19 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         results: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompts, sampling_params, strict=True):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, ids, params)
-            text = prompt if isinstance(prompt, str) else None
-            results[request_id] = RequestOutput(
-                request_id, text, ids, [CompletionOutput(0, "", [])]
-            )
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, ids, params)
+                text = prompt if isinstance(prompt, str) else None
+                results[request_id] = RequestOutput(
+                    request_id, text, ids, [CompletionOutput(0, "", [])]
+                )
+        except BaseException:
+            for request_id in results:  # a bad prompt cancels the whole call
+                self.engine.abort_request(request_id)
+            raise
         self._run(results, use_tqdm)
         return list(results.values())
 

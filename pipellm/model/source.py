@@ -35,15 +35,17 @@ class ModelSource:
     name: str  # what the user called it; served as the model id
 
 
-def resolve_model(name_or_path: str | None) -> ModelSource:
+def resolve_model(name_or_path: str | None, require_weights: bool = True) -> ModelSource:
     """Find a model offline: None (the built-in default), a preset name, a folder or a .gguf.
 
     A local path wins over a preset of the same name, as in Hugging Face's own loaders.
+    `require_weights=False` accepts a folder with config.json and tokenizer.json only (for
+    dummy weights).
     """
     name = BUILTIN_DEFAULT_MODEL if name_or_path is None else name_or_path
     path = Path(name).expanduser()
     if path.exists():
-        return _resolve_local(path.resolve(), name)
+        return _resolve_local(path.resolve(), name, require_weights)
     preset = find_preset(name)
     if preset is None:
         raise ModelNotFoundError(
@@ -60,7 +62,7 @@ def resolve_model(name_or_path: str | None) -> ModelSource:
     return ModelSource("gguf", gguf_path.resolve(), preset.name)
 
 
-def _resolve_local(path: Path, name: str) -> ModelSource:
+def _resolve_local(path: Path, name: str, require_weights: bool) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(
@@ -69,7 +71,7 @@ def _resolve_local(path: Path, name: str) -> ModelSource:
         return ModelSource("gguf", path, name)
     if (path / "config.json").is_file():
         missing = []
-        if not any(path.glob("*.safetensors")):
+        if require_weights and not any(path.glob("*.safetensors")):
             missing.append("*.safetensors weights (.bin checkpoints are not read: convert them)")
         if not (path / "tokenizer.json").is_file():
             missing.append("tokenizer.json")

@@ -1,0 +1,78 @@
+"""Bad settings fail up front with a message naming the setting, the value and the fix."""
+
+import shutil
+
+import pytest
+
+from pipellm import LLM, SamplingParams
+from pipellm.config import ConfigError, EngineConfig
+from pipellm.model.source import ModelNotFoundError
+from tests.checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(pipeline_parallel_size=0), "pipeline_parallel_size=0"),
+        (dict(pipeline_parallel_size=-2), "pipeline_parallel_size=-2"),
+        (dict(pipeline_parallel_size=5), "only 4 layers"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
+        (dict(max_num_seqs=0), "max_num_seqs=0"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0"),
+        (dict(max_model_len=100_000), "max_model_len=100000"),
+        (dict(dtype="float8"), "dtype='float8'"),
+        (dict(load_format="pt"), "load_format='pt'"),
+        (dict(load_format="gguf"), "is a Hugging Face safetensors folder"),
+        (dict(distributed_executor_backend="threads"), "distributed_executor_backend"),
+        (dict(kv_cache_memory=1000), "kv_cache_memory"),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "without chunked"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5"),
+    ],
+)
+def test_bad_settings_are_named(tiny, settings, message):
+    with pytest.raises(ConfigError, match="invalid setting") as error:
+        EngineConfig(model=tiny, **settings)
+    assert message in str(error.value)
+
+
+def test_unknown_engine_argument_is_rejected(tiny):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(tiny, max_num_seq=4)
+
+
+def test_missing_model_says_where_it_looked_and_never_downloads(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="never downloads"):
+        EngineConfig(model=str(tmp_path / "nowhere"))
+    with pytest.raises(ModelNotFoundError, match="preset"):
+        EngineConfig(model="meta-llama/Llama-3-8B")
+
+
+def test_dummy_weights_need_only_the_config(tiny, tmp_path):
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny}/{name}", folder / name)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with (
+        LLM(str(folder), load_format="dummy") as first,
+        LLM(str(folder), load_format="dummy") as second,
+    ):
+        ids = [[5, 6, 7, 8]]
+        assert (
+            first.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids
+            == second.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids
+        ), "dummy weights are seeded"
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(tiny):
+    with LLM(tiny, max_model_len=32) as llm:
+        with pytest.raises(ValueError, match="max_model_len is 32"):
+            llm.generate([[5] * 8, [5] * 40], use_tqdm=False)
+        # The engine is still usable afterwards.
+        out = llm.generate([[5] * 8], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
