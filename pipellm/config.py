@@ -6,6 +6,7 @@ Names follow vLLM's engine arguments, so `LLM(model, max_num_seqs=8, ...)` and
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 
@@ -22,7 +23,7 @@ DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-BACKENDS = ("uni", "mp")  # ray and sim: planned, not built yet
+BACKENDS = ("uni", "mp", "ray")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
 
 
@@ -90,6 +91,8 @@ class EngineConfig:
                 self.distributed_executor_backend,
                 f"use one of {', '.join(BACKENDS)}",
             )
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            _fail("distributed_executor_backend", "ray", "install Ray: pip install 'pipellm[ray]'")
         if self.distributed_executor_backend == "uni" and self.pipeline_parallel_size > 1:
             _fail("distributed_executor_backend", "uni", "pipeline stages need mp, ray or sim")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -40,6 +40,10 @@ def make_executor(config: EngineConfig) -> Executor:
         from pipellm.executor.mp import MultiprocExecutor
 
         return MultiprocExecutor(config)
+    if backend == "ray":
+        from pipellm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     raise NotImplementedError(f"distributed_executor_backend={backend!r} is not available yet")
 
 

@@ -65,8 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--distributed-executor-backend",
-        choices=["mp"],
-        help="how stages run: mp (one process per stage, the default)",
+        choices=["mp", "ray"],
+        help="how stages run: mp (one process per stage, the default) or ray (one actor each)",
     )
     g.add_argument(
         "--no-pp-balance",

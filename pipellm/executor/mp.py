@@ -205,15 +205,19 @@ def stage_main(
 ) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
-        from pipellm.worker.stage_loop import StageLoop
+        from pipellm.worker.pipeline_stage import PipelineStage
 
-        loop = StageLoop(config, rank, port)
+        stage = PipelineStage(config, rank, port)
         conn.send((READY, None))
     except BaseException:
         conn.send((ERROR, traceback.format_exc()))
         return
     try:
-        loop.run(conn)
+        while (scheduler_output := pickle.loads(conn.recv_bytes())) is not None:
+            output = stage.step(scheduler_output)
+            if output is not None:
+                conn.send(output)
+        stage.close()
     except BaseException:
         try:
             conn.send((ERROR, traceback.format_exc()))

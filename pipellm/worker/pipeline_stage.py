@@ -1,23 +1,26 @@
-"""The loop a pipeline stage process runs: schedule in, hidden states through, tokens out."""
+"""One pipeline stage in its own process or actor: schedule in, hidden states through, tokens out.
+
+Backends (mp processes, Ray actors) only deliver each SchedulerOutput to `step`; the stage
+itself receives hidden states from the previous stage and sends its own to the next one.
+"""
 
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from collections import deque
-from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
 from pipellm.config import EngineConfig
+from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.worker.worker import StageWorker
 
 MAX_PENDING_SENDS = 8  # bounded: a send's tensor must stay alive until it completes
 
 
-class StageLoop:
+class PipelineStage:
     def __init__(self, config: EngineConfig, rank: int, port: int) -> None:
         torch.set_num_threads(config.threads_per_stage)
         # NOTE: gloo would otherwise pick the interface of the host name; keep it on loopback.
@@ -36,32 +39,28 @@ class StageLoop:
         self.dtype = config.torch_dtype
         self.pending_sends: deque[tuple[list[dist.Work], list[torch.Tensor]]] = deque()
 
-    def run(self, conn: Connection) -> None:
-        try:
-            while (scheduler_output := pickle.loads(conn.recv_bytes())) is not None:
-                hidden_in, times = None, torch.empty(0, 2, dtype=torch.float64)
-                if not self.is_first:
-                    hidden_in = torch.empty(
-                        scheduler_output.num_tokens, self.hidden_size, dtype=self.dtype
-                    )
-                    times = torch.empty(self.rank, 2, dtype=torch.float64)
-                    dist.recv(hidden_in, src=self.rank - 1)
-                    dist.recv(times, src=self.rank - 1)
-                started = time.time()  # busy time starts when the inputs are here
-                output = self.worker.execute(scheduler_output, hidden_in)
-                times = torch.cat(
-                    [times, torch.tensor([[started, time.time()]], dtype=torch.float64)]
-                )
-                if self.is_last:
-                    output.stage_times = [tuple(t) for t in times.tolist()]
-                    conn.send(output)
-                else:
-                    self._send_async([output, times])
-        finally:
-            for works, _ in self.pending_sends:
-                for work in works:
-                    work.wait()
-            dist.destroy_process_group()
+    def step(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:
+        """Runs one micro-batch through this stage; the last stage returns its output."""
+        hidden_in, times = None, torch.empty(0, 2, dtype=torch.float64)
+        if not self.is_first:
+            hidden_in = torch.empty(scheduler_output.num_tokens, self.hidden_size, dtype=self.dtype)
+            times = torch.empty(self.rank, 2, dtype=torch.float64)
+            dist.recv(hidden_in, src=self.rank - 1)
+            dist.recv(times, src=self.rank - 1)
+        started = time.time()  # busy time starts when the inputs are here
+        output = self.worker.execute(scheduler_output, hidden_in)
+        times = torch.cat([times, torch.tensor([[started, time.time()]], dtype=torch.float64)])
+        if self.is_last:
+            output.stage_times = [tuple(t) for t in times.tolist()]
+            return output
+        self._send_async([output, times])
+        return None
+
+    def close(self) -> None:
+        for works, _ in self.pending_sends:
+            for work in works:
+                work.wait()
+        dist.destroy_process_group()
 
     def _send_async(self, tensors: list[torch.Tensor]) -> None:
         """Sends without waiting for the next stage to be ready for it."""
