@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    """Flag errors in one line (the usage of ~30 engine flags would bury the message)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -80,7 +88,7 @@ def _demo(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from pipellm.entrypoints.engine_args import add_engine_args
 
-    parser = argparse.ArgumentParser(prog="pipellm", description=__doc__)
+    parser = _Parser(prog="pipellm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate offline for a few prompts")

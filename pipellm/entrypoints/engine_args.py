@@ -65,8 +65,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--distributed-executor-backend",
-        choices=["mp", "ray"],
-        help="how stages run: mp (one process per stage, the default) or ray (one actor each)",
+        choices=["mp", "ray", "sim"],
+        help="how stages run: mp (one process per stage, the default), ray (one actor each), "
+        "or sim (modelled stages: real scheduling, no model; see docs/simulation.md)",
     )
     g.add_argument(
         "--no-pp-balance",
@@ -87,6 +88,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--trace-file", help="write a Chrome/Perfetto trace of stage activity here")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (slow start)")
+    g.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=1.0,
+        help="sim backend: run the modelled stages this many times faster than real time",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

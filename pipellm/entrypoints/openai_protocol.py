@@ -1,0 +1,200 @@
+"""Request bodies of the OpenAI API (completions, chat) and the OpenAI error shape.
+
+Fields the engine cannot honour yet (n > 1, penalties, logit_bias, ...) are accepted by the
+model so that the error can name them, then rejected with a 400 that says what to do instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipellm.sampling_params import SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.type = message, status_code, type
+        self.param, self.code = param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """What completions and chat share: model, sampling, stopping, streaming."""
+
+    # Unknown fields are ignored, as OpenAI's own API does.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """Raises OpenAIError(400) for options this server does not implement."""
+        if self.n != 1:
+            _unsupported("n", self.n, "only n=1 is supported; send n separate requests")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                _unsupported(name, getattr(self, name), "penalties are not supported; use 0")
+        if self.logit_bias:
+            _unsupported("logit_bias", "{...}", "logit_bias is not supported; leave it out")
+        if self.stream_options is not None and not self.stream:
+            _unsupported("stream_options", "{...}", "stream_options needs stream=true")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; raises OpenAIError(400) naming a bad value."""
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+        }
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                seed=self.seed,
+                stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                **{name: value for name, value in optional.items() if value is not None},
+            )
+        except ValueError as error:
+            raise OpenAIError(str(error)) from error
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of > 1:
+            _unsupported("best_of", self.best_of, "only best_of=1 is supported")
+        if self.echo:
+            _unsupported("echo", True, "echo is not supported; prepend the prompt yourself")
+        if self.suffix:
+            _unsupported("suffix", "...", "suffix (insertion) is not supported")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request, as text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise OpenAIError(
+                    f"prompt holds {len(prompt)} prompts; only one prompt per request is "
+                    "supported, send one request per prompt",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if not prompt:
+            raise OpenAIError("the prompt is empty; give at least one token", param="prompt")
+        return prompt
+
+
+class TextPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. tool fields some templates read
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        """The message content as plain text; only text parts are supported."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise OpenAIError(
+                    f"content part of type {part.type!r} is not supported; only text parts",
+                    param="messages",
+                )
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            _unsupported("top_logprobs", self.top_logprobs, "top_logprobs needs logprobs=true")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as the chat template expects it: role and text content."""
+        return [{**m.model_dump(exclude_none=True), "content": m.text()} for m in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _unsupported(name: str, value: object, fix: str) -> None:
+    raise OpenAIError(f"unsupported parameter {name}={value!r}: {fix}", param=name)

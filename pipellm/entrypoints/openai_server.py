@@ -1,0 +1,252 @@
+"""`pipellm serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of the engine
+core, which runs in its own process.
+
+Startup order: validate the config, take the port, start the engine core (loading the model
+while this process loads the tokenizer), then serve. SIGINT and SIGTERM stop the server
+gracefully and reap the engine core and its pipeline stages on every path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pipellm import __version__
+from pipellm.config import EngineConfig
+from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError
+from pipellm.engine.core_process import CoreProcess
+from pipellm.entrypoints.engine_args import engine_config_from_args
+from pipellm.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    error_body,
+)
+from pipellm.entrypoints.openai_serving import OpenAIServing
+from pipellm.entrypoints.server_metrics import ServerMetrics
+from pipellm.model.source import resolve_model
+from pipellm.model.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "PIPELLM_API_KEY"
+GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish before they are cancelled
+
+# What a field of several accepted shapes must look like (pydantic would list each shape).
+UNION_HINTS = {
+    "prompt": "give text, a list of token ids, or a list holding one of those",
+    "stop": "give a string or a list of strings",
+}
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    client: AsyncEngineClient = request.app.state.client
+    if client.is_alive:
+        return Response(status_code=200)
+    reason = client.dead_reason or "the engine core process is not running"
+    return JSONResponse(error_body(reason, "server_error"), status_code=503)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    try:
+        stats = await request.app.state.client.stats()
+    except (EngineDeadError, TimeoutError):
+        stats = None  # latency histograms still answer; engine gauges are left out
+    body = request.app.state.metrics.render(stats)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    config: EngineConfig = request.app.state.config
+    card = {
+        "id": config.model_name,
+        "object": "model",
+        "created": request.app.state.started,
+        "owned_by": "pipellm",
+        "root": str(config.source.path),
+        "max_model_len": config.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await request.app.state.serving.completion(body, request)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await request.app.state.serving.chat(body, request)
+
+
+class BearerAuth:
+    """Requires `Authorization: Bearer <key>` on /v1/*; plain ASGI so streams pass untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "missing or wrong API key: send the header 'Authorization: Bearer KEY'"
+                body = error_body(message, "invalid_request_error", code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    core: CoreProcess, config: EngineConfig, tokenizer: Tokenizer, api_key: str | None
+) -> FastAPI:
+    """The FastAPI app; its lifespan connects to `core`, which must be ready."""
+    server_metrics = ServerMetrics(config.model_name, config.pipeline_parallel_size)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = AsyncEngineClient(core)
+        app.state.client = client
+        app.state.serving = OpenAIServing(client, config, tokenizer, server_metrics)
+        yield
+        client.close()
+
+    app = FastAPI(title="pipellm", version=__version__, lifespan=lifespan)
+    app.state.config = config
+    app.state.metrics = server_metrics
+    app.state.started = int(time.time())
+    app.include_router(router)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    return app
+
+
+async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code)
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    """400 naming each bad field once (pydantic reports every member of a union)."""
+    problems: dict[str, str] = {}
+    for item in error.errors():
+        loc = [str(part) for part in item["loc"][1:]]  # loc[0] is "body"
+        if item["type"] == "json_invalid":
+            detail = item.get("ctx", {}).get("error", item["msg"])
+            where = f" at character {loc[0]}" if loc else ""
+            problems = {"body": f"the request body is not valid JSON ({detail}{where})"}
+            break
+        if not loc:
+            problems["body"] = "the request needs a JSON object body"
+        elif len(loc) > 1 and loc[0] in UNION_HINTS:
+            problems.setdefault(loc[0], f"{loc[0]}: {UNION_HINTS[loc[0]]}")
+        else:
+            problems.setdefault(loc[0], f"{'.'.join(loc)}: {item['msg']}")
+    message = "invalid request: " + "; ".join(problems.values())
+    param = next(iter(problems), None)
+    return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    message = f"{error.detail}: {request.method} {request.url.path}"
+    kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+    return JSONResponse(error_body(message, kind), status_code=error.status_code)
+
+
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    # A bug, not the client's fault; uvicorn logs the traceback.
+    message = f"internal error: {type(error).__name__}: {error}"
+    return JSONResponse(error_body(message, "server_error"), status_code=500)
+
+
+# ---- running the server ------------------------------------------------------------------------
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`pipellm serve`: returns after a graceful stop (SIGINT or SIGTERM)."""
+    config = engine_config_from_args(args)  # a bad setting fails here, before any process
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    sock = _listen(args.host, args.port)
+    # SIGTERM stops the server the way Ctrl-C does, so the finally below always runs.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    core = CoreProcess(config)
+    try:
+        tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else config.source
+        tokenizer = load_tokenizer(tokenizer_source)
+        core.wait_ready()
+        logger.info("engine core ready (pid %d)", core.pid)
+        host, port = sock.getsockname()[:2]
+        logger.info(
+            "listening on http://%s:%d (model %s, %d pipeline stage(s), API key %s)",
+            host,
+            port,
+            config.model_name,
+            config.pipeline_parallel_size,
+            "required" if api_key else "off",
+        )
+        app = build_app(core, config, tokenizer, api_key)
+        uvicorn_config = uvicorn.Config(
+            app, log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+        )
+        uvicorn.Server(uvicorn_config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        # A second Ctrl-C must not leave the engine core orphaned half-way.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        logger.info("stopping the engine core")
+        core.shutdown()
+        sock.close()
+    logger.info("server stopped")
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Takes the port before the model loads, so a busy port fails at once."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"invalid --port {port}: use 0-65535 (0 picks a free port)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port} ({error.strerror or error}); "
+            "pick another --port or --host"
+        ) from error
+    return sock

@@ -1,0 +1,326 @@
+"""Serves /v1/completions and /v1/chat/completions: validate, run on the engine, answer in
+OpenAI's JSON, whole or streamed as server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pipellm.config import EngineConfig
+from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError
+from pipellm.engine.outputs import EngineOutput
+from pipellm.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    OpenAIError,
+)
+from pipellm.entrypoints.server_metrics import ServerMetrics
+from pipellm.model.tokenizer import Tokenizer
+from pipellm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+Chunk = dict[str, Any]
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request the client gave up on
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.model_name = config.model_name
+
+    # ---- endpoints -----------------------------------------------------------------------------
+
+    async def completion(self, request: CompletionRequest, raw: Request) -> Response:
+        self._check_request(request)
+        prompt = request.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = prompt
+        params = self._sampling_params(request, prompt_ids, request.max_tokens, request.logprobs)
+        reply = _Reply("cmpl", "text_completion", self.model_name, len(prompt_ids))
+        outputs = self._generate(reply.id, prompt_ids, params)
+
+        def choice(outs: list[EngineOutput], finished: EngineOutput | None) -> Chunk:
+            logprobs = self._completion_logprobs(outs) if params.logprobs is not None else None
+            return {
+                "index": 0,
+                "text": "".join(o.new_text for o in outs),
+                "logprobs": logprobs,
+                **_finish(finished),
+            }
+
+        if request.stream:
+            return _sse(reply.stream(outputs, [], choice, request.include_usage))
+        outs = await _unless_disconnected(raw, _collect(outputs))
+        return JSONResponse(reply.whole(outs, choice(outs, outs[-1])))
+
+    async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_request(request)
+        try:
+            text = self.tokenizer.apply_chat_template(request.template_messages())
+        except (ValueError, TypeError) as error:  # the template could not render these messages
+            raise OpenAIError(
+                f"cannot apply the chat template: {error}", param="messages"
+            ) from error
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        params = self._sampling_params(
+            request, prompt_ids, request.requested_max_tokens, request.num_logprobs
+        )
+        object = "chat.completion.chunk" if request.stream else "chat.completion"
+        reply = _Reply("chatcmpl", object, self.model_name, len(prompt_ids))
+        outputs = self._generate(reply.id, prompt_ids, params)
+
+        def logprobs(outs: list[EngineOutput]) -> Chunk | None:
+            return self._chat_logprobs(outs) if params.logprobs is not None else None
+
+        if request.stream:
+
+            def delta(outs: list[EngineOutput], finished: EngineOutput | None) -> Chunk:
+                return {
+                    "index": 0,
+                    "delta": {"content": "".join(o.new_text for o in outs)},
+                    "logprobs": logprobs(outs),
+                    **_finish(finished),
+                }
+
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            return _sse(reply.stream(outputs, [role], delta, request.include_usage))
+        outs = await _unless_disconnected(raw, _collect(outputs))
+        message = {"role": "assistant", "content": "".join(o.new_text for o in outs)}
+        choice = {"index": 0, "message": message, "logprobs": logprobs(outs), **_finish(outs[-1])}
+        return JSONResponse(reply.whole(outs, choice))
+
+    # ---- validation ----------------------------------------------------------------------------
+
+    def _check_request(self, request: GenerationRequest) -> None:
+        if request.model is not None and request.model != self.model_name:
+            raise OpenAIError(
+                f"The model {request.model!r} does not exist; this server serves "
+                f"{self.model_name!r} (see /v1/models).",
+                status_code=404,
+                param="model",
+                code="model_not_found",
+            )
+        request.check_supported()
+
+    def _sampling_params(
+        self,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        """Checks the prompt against the vocabulary and the context; max_tokens None means
+        the rest of the context."""
+        vocab = self.config.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(
+                f"prompt token id {bad} is out of range: ids must lie in [0, {vocab})",
+                param="prompt",
+            )
+        limit = self.config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{len(prompt_ids)} tokens; shorten it so that at least one new token fits.",
+                param="prompt",
+            )
+        if max_tokens is None:
+            max_tokens = limit - len(prompt_ids)
+        params = request.sampling_params(max_tokens, logprobs)
+        if len(prompt_ids) + max_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens, but you requested "
+                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                f"{max_tokens} for the completion); reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        return params
+
+    # ---- running -------------------------------------------------------------------------------
+
+    def _generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[EngineOutput]:
+        if not self.client.is_alive:
+            raise OpenAIError(
+                f"the engine is not running: {self.client.dead_reason}",
+                status_code=500,
+                type="server_error",
+            )
+        arrival = time.perf_counter()
+        return self.metrics.track(self.client.generate(request_id, prompt_ids, params), arrival)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, outs: list[EngineOutput]) -> Chunk:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for token_id, (logprob, top) in _token_logprobs(outs):
+            text = self._token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            top_logprobs.append(self._top_by_text(top) or None)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+    def _top_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """{token text: logprob}; tokens that decode alike keep the best (first) logprob."""
+        by_text: dict[str, float] = {}
+        for token_id, logprob in top:
+            by_text.setdefault(self._token_text(token_id), logprob)
+        return by_text
+
+    def _chat_logprobs(self, outs: list[EngineOutput]) -> Chunk:
+        def entry(token_id: int, logprob: float) -> Chunk:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            {**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+            for token_id, (logprob, top) in _token_logprobs(outs)
+        ]
+        return {"content": content}
+
+
+class _Reply:
+    """One response's id, object type and usage, whole or as a stream of chunks."""
+
+    def __init__(self, id_prefix: str, object: str, model: str, num_prompt_tokens: int) -> None:
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.object = object
+        self.model = model
+        self.created = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def _envelope(self, choices: list[Chunk], usage: Chunk | None) -> Chunk:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    def usage(self, num_tokens: int) -> Chunk:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": num_tokens,
+            "total_tokens": self.num_prompt_tokens + num_tokens,
+        }
+
+    def whole(self, outs: list[EngineOutput], choice: Chunk) -> Chunk:
+        return self._envelope([choice], self.usage(_num_tokens(outs)))
+
+    async def stream(
+        self,
+        outputs: AsyncIterator[EngineOutput],
+        head: list[Chunk],
+        to_choice: Callable[[list[EngineOutput], EngineOutput | None], Chunk],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """One chunk per engine output, then usage if asked, then [DONE]; an engine failure
+        mid-stream becomes an error event."""
+        num_tokens = 0
+        try:
+            for choice in head:
+                yield _event(self._envelope([choice], None))
+            async with aclosing(outputs):
+                async for out in outputs:
+                    num_tokens += len(out.new_token_ids)
+                    finished = out if out.finished else None
+                    yield _event(self._envelope([to_choice([out], finished)], None))
+            if include_usage:
+                yield _event(self._envelope([], self.usage(num_tokens)))
+        except (EngineDeadError, ValueError) as error:
+            yield _event(_as_openai_error(error).body())
+        yield "data: [DONE]\n\n"
+
+
+async def _collect(outputs: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
+    try:
+        async with aclosing(outputs):
+            return [out async for out in outputs]
+    except (EngineDeadError, ValueError) as error:
+        raise _as_openai_error(error) from error
+
+
+async def _unless_disconnected(raw: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Runs work; if the client disconnects first, cancels it, which aborts its request."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise OpenAIError("the client closed the request", status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body is read already, so the next ASGI message can only be the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _as_openai_error(error: Exception) -> OpenAIError:
+    if isinstance(error, EngineDeadError):
+        return OpenAIError(f"the engine failed: {error}", status_code=500, type="server_error")
+    return OpenAIError(str(error))
+
+
+def _finish(out: EngineOutput | None) -> Chunk:
+    if out is None:
+        return {"finish_reason": None}
+    return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+
+def _num_tokens(outs: list[EngineOutput]) -> int:
+    return sum(len(o.new_token_ids) for o in outs)
+
+
+def _token_logprobs(outs: list[EngineOutput]) -> list[tuple[int, Any]]:
+    return [
+        pair
+        for out in outs
+        for pair in zip(out.new_token_ids, out.new_logprobs or [], strict=False)
+    ]
+
+
+def _event(payload: Chunk) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
