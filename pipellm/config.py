@@ -23,7 +23,7 @@ DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-BACKENDS = ("uni", "mp", "ray")
+BACKENDS = ("uni", "mp", "ray", "sim")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
 
 
@@ -61,6 +61,7 @@ class EngineConfig:
     served_model_name: str | None = None
     trace_file: str | None = None
     compile: bool = False
+    sim_speedup: float = 1.0  # sim backend: modelled stages run this many times faster
     # Resolved on construction:
     source: ModelSource = field(init=False)
     model_config: ModelConfig = field(init=False)
@@ -102,7 +103,10 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads <= 0:
             _fail("num_threads", self.num_threads, "use a positive integer")
 
-        self.source = resolve_model(self.model, require_weights=self.load_format != "dummy")
+        if self.sim_speedup <= 0:
+            _fail("sim_speedup", self.sim_speedup, "use a positive factor")
+        needs_weights = self.load_format != "dummy" and self.distributed_executor_backend != "sim"
+        self.source = resolve_model(self.model, require_weights=needs_weights)
         wanted = {"safetensors": "hf", "gguf": "gguf"}.get(self.load_format)
         if wanted and wanted != self.source.kind:
             kinds = {"hf": "a Hugging Face safetensors folder", "gguf": "a .gguf file"}

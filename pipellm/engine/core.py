@@ -44,6 +44,10 @@ def make_executor(config: EngineConfig) -> Executor:
         from pipellm.executor.ray_executor import RayExecutor
 
         return RayExecutor(config)
+    if backend == "sim":
+        from pipellm.executor.sim import SimExecutor
+
+        return SimExecutor(config, speedup=config.sim_speedup)
     raise NotImplementedError(f"distributed_executor_backend={backend!r} is not available yet")
 
 

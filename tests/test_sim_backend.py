@@ -1,0 +1,67 @@
+"""The sim backend: real scheduling over modelled stages, fast enough for 8 stages in a test."""
+
+from pipellm.config import EngineConfig
+from pipellm.engine.core import EngineCore
+from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pipellm.executor.sim import STEP_OVERHEAD_S, StageCostModel
+from pipellm.sampling_params import SamplingParams
+from tests.checkpoints import make_tiny_checkpoint
+
+
+def run_seed_workload(model: str, balance: bool) -> EngineCore:
+    config = EngineConfig(
+        model=model,
+        pipeline_parallel_size=8,
+        distributed_executor_backend="sim",
+        max_num_seqs=8,
+        max_num_batched_tokens=8 * 400,
+        max_model_len=512,
+        pp_balance=balance,
+        sim_speedup=50.0,
+    )
+    core = EngineCore(config)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    submitted, open_requests = 0, set()
+    while submitted < 24 or open_requests:
+        while submitted < 24 and len(open_requests) < 8:
+            core.add_request(str(submitted), [7] * 400, params)
+            open_requests.add(str(submitted))
+            submitted += 1
+        for out in core.step():
+            if out.finished:
+                open_requests.discard(out.request_id)
+    core.shutdown()
+    return core
+
+
+def test_seed_scenario_before_and_after(tmp_path):
+    model = str(make_tiny_checkpoint(tmp_path / "m", num_layers=8))
+    before = run_seed_workload(model, balance=False).pipeline_stats.summary()
+    after = run_seed_workload(model, balance=True).pipeline_stats.summary()
+    assert before["max_queue_depth"] == 1, "the seed's 'before': one micro-batch at a time"
+    assert after["max_queue_depth"] == 8, "balanced: every stage has its own micro-batch"
+    assert len(after["stage_busy_fraction"]) == 8
+
+
+def decode_batch(n: int) -> SchedulerOutput:
+    return SchedulerOutput(
+        0, [ScheduledRequest(str(i), 100, 1, [1], [], sample=True) for i in range(n)]
+    )
+
+
+def prefill_batch(tokens: int) -> SchedulerOutput:
+    return SchedulerOutput(0, [ScheduledRequest("p", 0, tokens, [1] * tokens, [], sample=True)])
+
+
+def test_cost_model_is_a_roofline(tmp_path):
+    model = str(make_tiny_checkpoint(tmp_path / "m", num_layers=8))
+    config = EngineConfig(model=model, pipeline_parallel_size=2, distributed_executor_backend="sim")
+    first, last = StageCostModel.for_stage(config, 0, 1.0), StageCostModel.for_stage(config, 1, 1.0)
+    assert first.num_layers == last.num_layers == 4
+    # Small decode batches stream the weights once: memory-bound, batch size barely matters.
+    assert first.seconds(decode_batch(1)) == first.seconds(decode_batch(4))
+    # The last stage also streams the lm_head.
+    assert last.seconds(decode_batch(1)) > first.seconds(decode_batch(1))
+    # Long prefills are compute-bound: twice the tokens, more than twice the work (attention).
+    small, large = first.seconds(prefill_batch(4000)), first.seconds(prefill_batch(8000))
+    assert large - STEP_OVERHEAD_S > 2 * (small - STEP_OVERHEAD_S)
