@@ -135,6 +135,7 @@ class MultiprocExecutor(Executor):
                         continue
                     self._fail(f"pipeline stage {rank} failed:\n{detail}")
                 elif not self._closed:
+                    self.processes[rank].join(timeout=1.0)  # the exit code is set on join
                     code = self.processes[rank].exitcode
                     self._fail(
                         f"pipeline stage {rank} (pid {self.processes[rank].pid}) died "
