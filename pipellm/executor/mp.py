@@ -12,7 +12,6 @@ stage to be ready (isend). The engine never waits on a stage except through a fu
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -20,7 +19,6 @@ import threading
 import time
 import traceback
 import weakref
-from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 
@@ -28,8 +26,8 @@ from pipellm.config import EngineConfig
 from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.net import free_port
+from pipellm.executor.pending import PendingOutputs
 
-logger = logging.getLogger(__name__)
 
 READY, ERROR = "ready", "error"
 STARTUP_TIMEOUT_S = 300.0
@@ -38,9 +36,7 @@ STARTUP_TIMEOUT_S = 300.0
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.num_stages = config.pipeline_parallel_size
-        self._pending: deque[Future[ModelOutput]] = deque()
-        self._lock = threading.Lock()
-        self._dead: str | None = None
+        self._pending = PendingOutputs()
         self._closed = False
         context = mp.get_context("spawn")
         port = free_port()
@@ -91,18 +87,15 @@ class MultiprocExecutor(Executor):
                 waiting.discard(rank)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
-        future: Future[ModelOutput] = Future()
-        with self._lock:
-            if self._dead:
-                future.set_exception(WorkerDiedError(self._dead))
-                return future
-            self._pending.append(future)
+        future = self._pending.add()
+        if future.done():
+            return future
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
                 conn.send_bytes(payload)
         except OSError as error:
-            self._fail(f"could not send a micro-batch to the pipeline stages: {error}")
+            self._pending.fail(f"could not send a micro-batch to the pipeline stages: {error}")
         return future
 
     def _read_outputs(self) -> None:
@@ -123,40 +116,28 @@ class MultiprocExecutor(Executor):
                     except (EOFError, OSError):
                         continue  # the sentinel tells why
                     if isinstance(message, ModelOutput):
-                        with self._lock:
-                            future = self._pending.popleft()
-                        future.set_result(message)
+                        self._pending.resolve_oldest(message)
                         continue
-                    self._fail(f"pipeline stage {rank} failed:\n{message[1]}")
+                    self._pending.fail(f"pipeline stage {rank} failed:\n{message[1]}")
                 elif isinstance(item, Connection):
                     try:
                         _, detail = item.recv()
                     except (EOFError, OSError):
                         continue
-                    self._fail(f"pipeline stage {rank} failed:\n{detail}")
+                    self._pending.fail(f"pipeline stage {rank} failed:\n{detail}")
                 elif not self._closed:
                     self.processes[rank].join(timeout=1.0)  # the exit code is set on join
                     code = self.processes[rank].exitcode
-                    self._fail(
+                    self._pending.fail(
                         f"pipeline stage {rank} (pid {self.processes[rank].pid}) died "
                         f"with exit code {code}"
                     )
-            if self._dead:
+            if self._pending.dead:
                 return
 
-    def _fail(self, reason: str, log: bool = True) -> None:
-        with self._lock:
-            if self._dead is None:
-                self._dead = reason
-                if log:
-                    logger.error(reason)
-            pending, self._pending = self._pending, deque()
-        for future in pending:
-            future.set_exception(WorkerDiedError(self._dead))
-
     def check_health(self) -> None:
-        if self._dead:
-            raise WorkerDiedError(self._dead)
+        if self._pending.dead:
+            raise WorkerDiedError(self._pending.dead)
         for rank, process in enumerate(self.processes):
             if not process.is_alive():
                 raise WorkerDiedError(f"pipeline stage {rank} is not running")
@@ -165,7 +146,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        self._fail("the executor was shut down", log=False)
+        self._pending.fail("the executor was shut down", log=False)
         self._finalizer()
 
 

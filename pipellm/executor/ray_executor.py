@@ -8,13 +8,10 @@ it with explicit CPUs, no dashboard and a temp dir of its own, and shuts it down
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
-import threading
 import weakref
-from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,8 +19,8 @@ from pipellm.config import EngineConfig
 from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.net import free_port
+from pipellm.executor.pending import PendingOutputs
 
-logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0
 
@@ -48,9 +45,7 @@ class RayExecutor(Executor):
         import ray
 
         self.num_stages = config.pipeline_parallel_size
-        self._dead: str | None = None
-        self._pending: deque[Future[ModelOutput]] = deque()
-        self._lock = threading.Lock()
+        self._pending = PendingOutputs()
         self._temp_dir: str | None = None
         if not ray.is_initialized():
             self._temp_dir = tempfile.mkdtemp(prefix="pipellm-ray-")
@@ -72,12 +67,9 @@ class RayExecutor(Executor):
             raise WorkerDiedError(f"Ray pipeline stages failed to start: {error}") from error
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
-        future: Future[ModelOutput] = Future()
-        with self._lock:
-            if self._dead:
-                future.set_exception(WorkerDiedError(self._dead))
-                return future
-            self._pending.append(future)
+        future = self._pending.add()
+        if future.done():
+            return future
         refs = [actor.step.remote(scheduler_output) for actor in self.actors]
         for rank, ref in enumerate(refs[:-1]):
             ref.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
@@ -86,39 +78,20 @@ class RayExecutor(Executor):
 
     def _check(self, done: Future[Any], rank: int) -> None:
         if done.exception() is not None:
-            self._fail(f"pipeline stage {rank} (Ray actor) failed: {done.exception()}")
+            self._pending.fail(f"pipeline stage {rank} (Ray actor) failed: {done.exception()}")
 
     def _deliver(self, done: Future[Any]) -> None:
         if done.exception() is not None:
-            self._fail(
-                f"pipeline stage {self.num_stages - 1} (Ray actor) failed: {done.exception()}"
-            )
-            return
-        with self._lock:
-            if not self._pending:
-                return
-            future = self._pending.popleft()
-        future.set_result(done.result())
-
-    def _fail(self, reason: str) -> None:
-        with self._lock:
-            if self._dead is None:
-                self._dead = reason
-                logger.error(reason)
-            pending, self._pending = self._pending, deque()
-        for future in pending:
-            future.set_exception(WorkerDiedError(self._dead))
+            self._check(done, self.num_stages - 1)
+        else:
+            self._pending.resolve_oldest(done.result())
 
     def check_health(self) -> None:
-        if self._dead:
-            raise WorkerDiedError(self._dead)
+        if self._pending.dead:
+            raise WorkerDiedError(self._pending.dead)
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._dead = self._dead or "the executor was shut down"
-            pending, self._pending = self._pending, deque()
-        for future in pending:
-            future.set_exception(WorkerDiedError(self._dead))
+        self._pending.fail("the executor was shut down", log=False)
         self._finalizer()
 
 
