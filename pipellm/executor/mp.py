@@ -28,7 +28,6 @@ from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.net import free_port
 from pipellm.executor.pending import PendingOutputs
 
-
 READY, ERROR = "ready", "error"
 STARTUP_TIMEOUT_S = 300.0
 

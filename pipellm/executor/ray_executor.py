@@ -21,7 +21,6 @@ from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.net import free_port
 from pipellm.executor.pending import PendingOutputs
 
-
 STARTUP_TIMEOUT_S = 300.0
 
 
