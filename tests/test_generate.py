@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -96,3 +98,27 @@ def test_prefix_cache_hits_and_preemption_happen(tmp_path):
         assert first[0].num_cached_tokens == 0
         assert all(o.num_cached_tokens >= 32 for o in rest[:1])
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+    ids=["linear", "llama3"],
+)
+def test_rope_scaling_matches_transformers(tmp_path, rope):
+    directory = make_tiny_checkpoint(tmp_path / "m")
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["rope_parameters"] = {"rope_theta": 10000.0, **rope}
+    config_path.write_text(json.dumps(config))
+    prompts = make_prompts(vocab_size=300)[:3]
+    assert generate(directory, prompts) == reference_greedy(directory, prompts)
