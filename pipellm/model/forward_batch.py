@@ -9,12 +9,13 @@ import torch
 
 @dataclass
 class PrefillChunk:
-    """One request's prompt chunk: tokens [start, start + length) of the flattened batch."""
+    """One request's prompt chunk: rows [start, start + length) of the flattened batch."""
 
     start: int
     length: int
-    num_computed_tokens: int  # tokens of this request already in the cache
-    context_slots: torch.Tensor | None  # cache slots of all context_len keys, if any cached
+    # A chunk that continues a cached context (an earlier chunk, a prefix-cache hit) reads it
+    # through its blocks; a chunk starting at position 0 attends to its own fresh keys only.
+    block_table: torch.Tensor | None  # [num_blocks] blocks covering the whole context
     mask: torch.Tensor | None  # [length, context_len] bool, True = may attend
 
 
@@ -23,10 +24,10 @@ class ForwardBatch:
     """Tokens are ordered decodes first (one token each), then prefill chunks."""
 
     positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T] cache slot written by each token
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each token
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [D, L] cache slots of each decode's keys (padded)
-    decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] each decode's blocks, padded
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
     logits_indices: torch.Tensor  # [S] rows whose hidden state is sampled
 

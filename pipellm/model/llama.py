@@ -1,8 +1,9 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) built for one pipeline stage.
 
 A stage owns the layers [layer_start, layer_end); the first stage also owns the embedding,
-the last the final norm and lm_head. Parameter names follow Hugging Face checkpoints, so the
-loader is a plain name-to-parameter copy.
+the last the final norm and lm_head. Parameter names follow Hugging Face checkpoints, except
+that q/k/v and gate/up are each one fused projection (one GEMM instead of three or two, ~10%
+faster at decode sizes); `checkpoint_shards` says which checkpoint tensors make up a parameter.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from pipellm.model.attention import paged_attention
 from pipellm.model.forward_batch import ForwardBatch
+from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import RotaryEmbedding, apply_rotary
 
@@ -30,6 +32,21 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class FusedLinear(nn.Linear):
+    """Projections of the same input stacked into one weight, computed by one GEMM."""
+
+    def __init__(self, in_features: int, shard_rows: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_rows), bias=bias)
+        self.shard_rows = shard_rows
+
+
+# The checkpoint projections each fused projection stacks, in order.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -38,10 +55,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.qkv_proj = FusedLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias
+        )
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_output_bias)
 
     def forward(
@@ -52,10 +68,12 @@ class Attention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)
+        # One rotary call for the query and key heads together: they share the positions.
+        q, k = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], *cos_sin).split(
+            [self.num_heads, self.num_kv_heads], dim=1
+        )
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention(q, k, v, *kv_cache, batch, self.scale)
         return self.o_proj(out.view(t, -1))
 
@@ -63,12 +81,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, [size, size], bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -134,19 +153,35 @@ class LlamaStage(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        return F.linear(self.norm(hidden), head.weight).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    def prepare_for_inference(self, prepack: bool) -> None:
+        """Ties lm_head to the embedding where the config says so, and, with `prepack`,
+        reorders every linear weight for the CPU's GEMM library (see model/linear.py). A tied
+        lm_head then gets its own packed copy of the embedding: it is the largest GEMM."""
+        if self.is_last and self.lm_head is None:
+            hidden, vocab = self.config.hidden_size, self.config.vocab_size
+            self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
+            self.lm_head.weight = self.embed_tokens.weight
+        if prepack:
+            prepack_linears(self)
 
     # ---- weights ---------------------------------------------------------------------------
 
-    def checkpoint_name(self, local_name: str) -> str:
-        """Maps a parameter name of this module to its Hugging Face checkpoint name."""
-        if local_name.startswith("layers."):
-            _, index, rest = local_name.split(".", 2)
-            return f"model.layers.{int(index) + self.layer_start}.{rest}"
-        if local_name.startswith("lm_head."):
-            return local_name
-        return f"model.{local_name}"
+    def checkpoint_shards(self, local_name: str) -> list[tuple[str, int]]:
+        """(Hugging Face checkpoint name, rows) of the tensors that, stacked along dim 0 in
+        this order, make up a parameter of this module."""
+        if not local_name.startswith("layers."):
+            name = local_name if local_name.startswith("lm_head.") else f"model.{local_name}"
+            return [(name, self.get_parameter(local_name).shape[0])]
+        _, index, rest = local_name.split(".", 2)
+        prefix = f"model.layers.{int(index) + self.layer_start}."
+        module_name, _, kind = rest.rpartition(".")
+        parts = FUSED_PROJECTIONS.get(module_name)
+        if parts is None:
+            return [(prefix + rest, self.get_parameter(local_name).shape[0])]
+        rows = self.get_submodule(f"layers.{index}.{module_name}").shard_rows
+        return [(f"{prefix}{part}.{kind}", n) for part, n in zip(parts, rows, strict=True)]
 
     def _set_parameter(self, local_name: str, tensor: torch.Tensor) -> None:
         module_name, _, attr = local_name.rpartition(".")
@@ -155,32 +190,47 @@ class LlamaStage(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Takes checkpoint tensors as the parameters; every parameter must be provided."""
-        params = {self.checkpoint_name(n): (n, p.shape) for n, p in self.named_parameters()}
-        missing = set(params)
+        shards = {n: self.checkpoint_shards(n) for n, _ in self.named_parameters()}
+        wanted = {
+            name: (local_name, index)
+            for local_name, parts in shards.items()
+            for index, (name, _) in enumerate(parts)
+        }
+        received: dict[str, dict[int, torch.Tensor]] = {}
         for name, tensor in weights:
-            if name not in params:
+            if name not in wanted:
                 continue  # e.g. a tied lm_head stored anyway
-            local_name, shape = params[name]
-            if tensor.shape != shape:
+            local_name, index = wanted[name]
+            parts = received.setdefault(local_name, {})
+            parts[index] = tensor
+            if len(parts) < len(shards[local_name]):
+                continue  # a fused parameter waits for all of its shards
+            whole = torch.cat([parts[i] for i in range(len(parts))]) if len(parts) > 1 else tensor
+            expected = self.get_parameter(local_name).shape
+            if whole.shape != expected:
                 raise ValueError(
-                    f"weight {name}: checkpoint shape {tuple(tensor.shape)} "
-                    f"!= model shape {tuple(shape)}"
+                    f"weight {local_name} (from {[n for n, _ in shards[local_name]]}): checkpoint "
+                    f"shape {tuple(whole.shape)} != model shape {tuple(expected)}"
                 )
-            self._set_parameter(local_name, tensor)
-            missing.discard(name)
-        if missing:
-            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]} ...")
+            self._set_parameter(local_name, whole)
+            del received[local_name]
+            for part_name, _ in shards[local_name]:
+                del wanted[part_name]
+        if wanted:
+            raise ValueError(f"checkpoint lacks weights: {sorted(wanted)[:5]} ...")
 
     def init_dummy_weights(self, seed: int) -> None:
         """Seeded random weights, for performance work without a checkpoint.
 
-        Each tensor is seeded by its checkpoint name, so any stage split gives the same model.
+        Each checkpoint tensor is seeded by its name, so any stage split gives the same model.
         """
-        for name, param in list(self.named_parameters()):
-            if name.endswith("norm.weight"):
-                tensor = torch.ones(param.shape)
-            else:
-                key = zlib.crc32(self.checkpoint_name(name).encode())
+        for local_name, param in list(self.named_parameters()):
+            if local_name.endswith("norm.weight"):
+                self._set_parameter(local_name, torch.ones(param.shape))
+                continue
+            parts = []
+            for name, rows in self.checkpoint_shards(local_name):
+                key = zlib.crc32(name.encode())
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + key)
-                tensor = torch.randn(param.shape, generator=generator) * 0.02
-            self._set_parameter(name, tensor)
+                parts.append(torch.randn((rows, *param.shape[1:]), generator=generator) * 0.02)
+            self._set_parameter(local_name, torch.cat(parts))

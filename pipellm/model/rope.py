@@ -50,15 +50,18 @@ class RotaryEmbedding:
     ) -> None:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.cos = angles.cos().to(dtype)
-        self.sin = angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
+        # The sign of rotate-half's negated half, folded into the table once.
+        self.sin = torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for these positions, shaped [T, 1, head_dim/2] to broadcast over heads."""
+        """cos/sin for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; rotates the two halves of the last dim."""
+    """x: [T, heads, head_dim]. The same values as HF's x * cos + rotate_half(x) * sin, in
+    five ops instead of eight (it runs for every layer of every step)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipellm.engine.scheduler_output import SchedulerOutput
+from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pipellm.model.forward_batch import ForwardBatch, PrefillChunk
 from pipellm.sampling_params import SamplingParams
 
@@ -37,67 +37,68 @@ class ModelRunner:
                 state.token_ids.extend(item.new_token_ids)
                 state.block_ids.extend(item.new_block_ids)
 
-    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(block_ids, dtype=torch.long)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
-
     def prepare(self, scheduler_output: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
         """Returns (input token ids, batch). Single-token chunks (decodes) come first so they
-        share one attention call; `logits_indices` keeps the scheduler's order."""
+        share one attention call; `logits_indices` keeps the scheduler's order.
+
+        Everything goes into Python lists, turned into tensors once at the end: ~0.15 ms for
+        16 decodes, where per-request tensor ops cost several times that.
+        """
         items = scheduler_output.requests
-        order = sorted(range(len(items)), key=lambda i: items[i].num_scheduled_tokens != 1)
-        num_decodes = sum(items[i].num_scheduled_tokens == 1 for i in order)
-        input_ids, positions, slot_mapping, prefills = [], [], [], []
-        last_row = {}
-        row = 0
+        decodes = [i for i, item in enumerate(items) if item.num_scheduled_tokens == 1]
+        order = decodes + [i for i, item in enumerate(items) if item.num_scheduled_tokens != 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        prefills: list[PrefillChunk] = []
+        last_row = [0] * len(items)
         for i in order:
             item = items[i]
             state = self.requests[item.request_id]
-            start, end = (
-                item.num_computed_tokens,
-                item.num_computed_tokens + item.num_scheduled_tokens,
-            )
-            input_ids.extend(state.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            slot_mapping.append(self._slots(state.block_ids, start, end))
+            start = item.num_computed_tokens
+            end = start + item.num_scheduled_tokens
+            blocks = state.block_ids
             if item.num_scheduled_tokens > 1:
-                prefills.append(self._prefill_chunk(state, row, start, end))
-            row += item.num_scheduled_tokens
-            last_row[i] = row - 1
-        decode_slots, decode_mask = self._decode_inputs([items[i] for i in order[:num_decodes]])
+                prefills.append(self._prefill_chunk(blocks, len(input_ids), start, end))
+            input_ids += state.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            last_row[i] = len(input_ids) - 1
+        tables, mask = self._decode_inputs([items[i] for i in decodes])
         batch = ForwardBatch(
-            positions=torch.cat(positions),
-            slot_mapping=torch.cat(slot_mapping),
-            num_decodes=num_decodes,
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slot_mapping),
+            num_decodes=len(decodes),
+            decode_block_tables=tables,
+            decode_mask=mask,
             prefills=prefills,
             logits_indices=torch.tensor(
-                [last_row[i] for i in range(len(items)) if items[i].sample]
+                [last_row[i] for i, it in enumerate(items) if it.sample], dtype=torch.long
             ),
         )
-        return torch.tensor(input_ids, dtype=torch.long), batch
+        return torch.tensor(input_ids), batch
 
-    def _prefill_chunk(self, state: RequestState, row: int, start: int, end: int) -> PrefillChunk:
+    def _prefill_chunk(self, blocks: list[int], row: int, start: int, end: int) -> PrefillChunk:
         if start == 0:
-            return PrefillChunk(row, end - start, 0, None, None)
-        query_positions = torch.arange(start, end).unsqueeze(1)
-        mask = torch.arange(end).unsqueeze(0) <= query_positions
-        return PrefillChunk(row, end - start, start, self._slots(state.block_ids, 0, end), mask)
+            return PrefillChunk(row, end, None, None)
+        num_blocks = -(-end // self.block_size)
+        mask = torch.arange(end) <= torch.arange(start, end).unsqueeze(1)
+        return PrefillChunk(row, end - start, torch.tensor(blocks[:num_blocks]), mask)
 
-    def _decode_inputs(self, decodes) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _decode_inputs(
+        self, decodes: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Block tables padded with block 0 to the longest context, and the mask hiding the
+        padding (and each row's slots past its own context)."""
         if not decodes:
             return None, None
-        context_lens = torch.tensor([d.num_computed_tokens + 1 for d in decodes])
-        max_len = int(context_lens.max())
-        num_blocks = -(-max_len // self.block_size)
-        table = torch.zeros(len(decodes), num_blocks, dtype=torch.long)
-        for row, d in enumerate(decodes):
-            blocks = self.requests[d.request_id].block_ids[:num_blocks]
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        offsets = torch.arange(self.block_size)
-        slots = (table.unsqueeze(-1) * self.block_size + offsets).view(len(decodes), -1)
-        slots = slots[:, :max_len]
-        mask = torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)
-        return slots, mask.view(len(decodes), 1, 1, max_len)
+        context_lens = [d.num_computed_tokens + 1 for d in decodes]
+        max_blocks = -(-max(context_lens) // self.block_size)
+        tables = []
+        for d in decodes:
+            blocks = self.requests[d.request_id].block_ids[:max_blocks]
+            tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        positions = torch.arange(max_blocks * self.block_size)
+        mask = positions < torch.tensor(context_lens).unsqueeze(1)
+        return torch.tensor(tables), mask.view(len(decodes), 1, 1, -1)

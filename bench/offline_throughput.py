@@ -1,0 +1,224 @@
+"""Offline throughput: pipellm against transformers `generate` on the same weights and threads.
+
+Both engines get the same prompts (random token ids), greedy decoding, ignore_eos, fp32. Two
+workloads: equal lengths (every prompt `--input-len` tokens, `--output-len` new tokens) and
+mixed lengths (each drawn uniformly in [floor(L(1-r)), ceil(L(1+r))] with r = --range-ratio).
+transformers gets a left-padded batch and must run every row to the longest output; throughput
+counts only the tokens asked for, so both engines are credited the same work.
+
+The engines alternate run by run (A B A B ...) and the report gives medians, so a burst of
+load on this shared machine hurts both sides alike. Each repetition draws fresh prompts of the
+same lengths, so pipellm's prefix cache never turns a repeat into a cache hit.
+
+    .venv/bin/python bench/offline_throughput.py                  # 1 and 2 threads, 3 repeats
+    .venv/bin/python bench/offline_throughput.py --threads 2 --repeats 1 --num-prompts 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from pipellm import LLM, SamplingParams
+from pipellm.model.model_config import ModelConfig
+from pipellm.model.weights import iter_weights
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def uniform_lengths(
+    mean: int, range_ratio: float, count: int, generator: torch.Generator
+) -> list[int]:
+    low, high = math.floor(mean * (1 - range_ratio)), math.ceil(mean * (1 + range_ratio))
+    return torch.randint(max(1, low), high + 1, (count,), generator=generator).tolist()
+
+
+def make_workload(
+    args: argparse.Namespace, vocab_size: int, mixed: bool, repetition: int
+) -> Workload:
+    """The lengths depend on the seed only; the token ids change with each repetition."""
+    generator = torch.Generator().manual_seed(args.seed)
+    ratio = args.range_ratio if mixed else 0.0
+    input_lens = uniform_lengths(args.input_len, ratio, args.num_prompts, generator)
+    output_lens = uniform_lengths(args.output_len, ratio, args.num_prompts, generator)
+    generator.manual_seed(args.seed * 1_000_003 + repetition + 1)
+    # Ids from 100 up skip the special tokens at the start of the vocabulary.
+    prompts = [
+        torch.randint(100, vocab_size, (n,), generator=generator).tolist() for n in input_lens
+    ]
+    return Workload(prompts, output_lens)
+
+
+def load_transformers_model(llm: LLM) -> transformers.PreTrainedModel:
+    """transformers' own model class with pipellm's weights (dequantized the same way)."""
+    config: ModelConfig = llm.config.model_config
+    config_class = getattr(transformers, config.architecture.replace("ForCausalLM", "Config"))
+    hf_config = config_class(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    layers = config.num_hidden_layers
+    weights = dict(iter_weights(llm.config.source, config, 0, layers, True, True, torch.float32))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if config.tie_word_embeddings:
+        missing = [name for name in missing if name != "lm_head.weight"]
+        model.tie_weights()
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not fit transformers' model: {missing} {unexpected}")
+    return model.eval()
+
+
+def run_pipellm(llm: LLM, workload: Workload) -> list[list[int]]:
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run_transformers(
+    model: transformers.PreTrainedModel, workload: Workload, cache: str
+) -> list[list[int]]:
+    longest = max(map(len, workload.prompts))
+    pad = 0
+    input_ids = torch.full((len(workload.prompts), longest), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(workload.prompts):  # left padding, as batched generate wants
+        input_ids[row, longest - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, longest - len(prompt) :] = 1
+    new_tokens = max(workload.output_lens)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            cache_implementation=cache,
+        )
+    return [out[row, longest : longest + n].tolist() for row, n in enumerate(workload.output_lens)]
+
+
+def timed(
+    run: Callable[[Workload], list[list[int]]], workload: Workload
+) -> tuple[float, list[list[int]]]:
+    started = time.perf_counter()
+    tokens = run(workload)
+    return time.perf_counter() - started, tokens
+
+
+def pick_transformers_cache(model: transformers.PreTrainedModel, workload: Workload) -> str:
+    """The static cache when this transformers version runs it, else the dynamic one."""
+    try:
+        run_transformers(model, workload, "static")
+        return "static"
+    except Exception as error:  # noqa: BLE001 - any failure means: use the other cache
+        print(f"transformers static cache unavailable ({error}); using the dynamic cache")
+        return "dynamic"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--range-ratio", type=float, default=0.5)
+    parser.add_argument(
+        "--workloads", nargs="+", choices=("equal", "mixed"), default=["equal", "mixed"]
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="pipellm with compile=True")
+    args = parser.parse_args()
+
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores: above ~0.5 means noise)")
+    llm = LLM(args.model, compile=args.compile)
+    vocab = llm.config.model_config.vocab_size
+    model = load_transformers_model(llm)
+    warmup = make_workload(argparse.Namespace(**{**vars(args), "num_prompts": 2}), vocab, True, -1)
+    cache = pick_transformers_cache(model, warmup)
+    engines = {
+        "pipellm": lambda w: run_pipellm(llm, w),
+        "transformers": lambda w: run_transformers(model, w, cache),
+    }
+
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for run in engines.values():
+            run(warmup)
+        for name in args.workloads:
+            times: dict[str, list[float]] = {engine: [] for engine in engines}
+            matches = []
+            for rep in range(args.repeats):
+                workload = make_workload(args, vocab, name == "mixed", rep)
+                # Alternate which engine goes first, so neither always runs on a warmer machine.
+                order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+                tokens = {}
+                for engine in order:
+                    seconds, tokens[engine] = timed(engines[engine], workload)
+                    times[engine].append(seconds)
+                    print(f"  {threads}t {name} rep {rep} {engine:12s} {seconds:7.2f} s")
+                matches.append(
+                    sum(
+                        a == b
+                        for a, b in zip(tokens["pipellm"], tokens["transformers"], strict=True)
+                    )
+                    / len(workload.prompts)
+                )
+            out_tokens = workload.num_output_tokens
+            medians = {engine: statistics.median(t) for engine, t in times.items()}
+            rows.append((threads, name, out_tokens, medians, statistics.mean(matches)))
+
+    print(f"\ntransformers {transformers.__version__} ({cache} cache), torch {torch.__version__}")
+    print(
+        f"{args.num_prompts} prompts, input {args.input_len}, output {args.output_len}, "
+        f"mixed range ratio {args.range_ratio}, medians of {args.repeats}"
+    )
+    print(
+        f"{'threads':>7} {'workload':>8} {'pipellm tok/s':>14} {'transformers tok/s':>19} "
+        f"{'ratio':>6} {'same tokens':>12}"
+    )
+    for threads, name, out_tokens, medians, match in rows:
+        ours, theirs = out_tokens / medians["pipellm"], out_tokens / medians["transformers"]
+        print(
+            f"{threads:>7} {name:>8} {ours:>14.1f} {theirs:>19.1f} "
+            f"{ours / theirs:>5.2f}x {match:>11.0%}"
+        )
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
