@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 
-def _children() -> list[psutil.Process]:
+def live_children() -> list[psutil.Process]:
     # NOTE: multiprocessing's resource tracker lives as long as this process, by design.
     found = []
     for child in psutil.Process().children(recursive=True):
@@ -23,7 +23,7 @@ def _children() -> list[psutil.Process]:
 def assert_no_children(timeout: float = 10.0) -> None:
     """Fails if this process still has children after `timeout` seconds of grace."""
     deadline = time.monotonic() + timeout
-    while (children := _children()) and time.monotonic() < deadline:
+    while (children := live_children()) and time.monotonic() < deadline:
         time.sleep(0.1)
     alive = [f"{c.pid} {c.name()}" for c in children if c.is_running()]
     assert not alive, f"child processes outlived the test: {alive}"

@@ -23,6 +23,7 @@ from pipellm import LLM, SamplingParams
 from pipellm.entrypoints import cli
 from pipellm.entrypoints.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
+from tests.conftest import live_children
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -150,7 +151,7 @@ def test_bad_flags_exit_2_with_one_line(checkpoint, capsys, flags, words):
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and words in error, error
-    assert psutil.Process().children() == []  # failed before starting anything
+    assert live_children() == []  # failed before starting anything
 
 
 def test_busy_port_exits_2(checkpoint, capsys):
@@ -162,7 +163,7 @@ def test_busy_port_exits_2(checkpoint, capsys):
             cli.main(["serve", str(checkpoint), "--port", str(port)])
     assert exit_info.value.code == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
-    assert psutil.Process().children() == []
+    assert live_children() == []
 
 
 def test_engine_that_fails_to_start_exits_1(checkpoint, tmp_path):
