@@ -159,11 +159,10 @@ def main() -> None:
         "--workloads", nargs="+", choices=("equal", "mixed"), default=["equal", "mixed"]
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="pipellm with compile=True")
     args = parser.parse_args()
 
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores: above ~0.5 means noise)")
-    llm = LLM(args.model, compile=args.compile)
+    llm = LLM(args.model)
     vocab = llm.config.model_config.vocab_size
     model = load_transformers_model(llm)
     warmup = make_workload(argparse.Namespace(**{**vars(args), "num_prompts": 2}), vocab, True, -1)

@@ -60,7 +60,6 @@ class EngineConfig:
     trust_remote_code: bool = False
     served_model_name: str | None = None
     trace_file: str | None = None
-    compile: bool = False
     sim_speedup: float = 1.0  # sim backend: modelled stages run this many times faster
     # Resolved on construction:
     source: ModelSource = field(init=False)

@@ -87,7 +87,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="accepted for compatibility; pipellm never runs code from a model folder",
     )
     g.add_argument("--trace-file", help="write a Chrome/Perfetto trace of stage activity here")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (slow start)")
     g.add_argument(
         "--sim-speedup",
         type=float,

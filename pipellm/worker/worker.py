@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 
 import torch
@@ -15,8 +14,6 @@ from pipellm.model.sampler import sample
 from pipellm.model.weights import iter_weights
 from pipellm.worker.model_runner import ModelRunner
 from pipellm.worker.partition import partition_layers
-
-logger = logging.getLogger(__name__)
 
 # glibc mallopt parameters, and the values that keep freed activations in the heap.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -58,10 +55,6 @@ class StageWorker:
                     config.source, mc, start, end, self.is_first, self.is_last, config.torch_dtype
                 )
             )
-        if config.compile:
-            # NOTE: measured here, inductor's GEMMs were no faster than the prepacked ones,
-            # and compiling per layer and shape took minutes (docs/performance.md).
-            logger.warning("compile=True is not implemented; the model runs eagerly")
         self.model.prepare_for_inference(prepack=True)
         self.model.eval()
         cache_shape = (config.num_kv_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
