@@ -69,21 +69,7 @@ def load_transformers_model(llm: LLM) -> transformers.PreTrainedModel:
     """transformers' own model class with pipellm's weights (dequantized the same way)."""
     config: ModelConfig = llm.config.model_config
     config_class = getattr(transformers, config.architecture.replace("ForCausalLM", "Config"))
-    hf_config = config_class(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        rope_scaling=config.rope_scaling,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-        attention_bias=config.attention_bias,
-    )
+    hf_config = config_class(**config.hf_config_kwargs())
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     layers = config.num_hidden_layers
     weights = dict(iter_weights(llm.config.source, config, 0, layers, True, True, torch.float32))

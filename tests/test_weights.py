@@ -145,18 +145,7 @@ def test_gguf_weights_make_smollm2_answer() -> None:
     source = resolve_model(None)
     config = load_model_config(source)
     tokenizer = load_tokenizer(source)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-    )
+    hf_config = transformers.LlamaConfig(**config.hf_config_kwargs())
     model = transformers.LlamaForCausalLM(hf_config).eval()
     weights = dict(iter_weights(source, config, 0, 30, True, True, torch.float32))
     result = model.load_state_dict(weights, strict=False)
