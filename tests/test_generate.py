@@ -111,8 +111,18 @@ def test_prefix_cache_hits_and_preemption_happen(tmp_path):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 0.7,
+            "mscale_all_dim": 0.5,
+            "original_max_position_embeddings": 48,
+        },
     ],
-    ids=["linear", "llama3"],
+    ids=["linear", "llama3", "yarn", "yarn-mscale"],
 )
 def test_rope_scaling_matches_transformers(tmp_path, rope):
     directory = make_tiny_checkpoint(tmp_path / "m")

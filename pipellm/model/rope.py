@@ -7,20 +7,29 @@ from typing import Any
 
 import torch
 
+SUPPORTED = ("default", "linear", "llama3", "yarn")
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
 
 def inverse_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None
-) -> torch.Tensor:
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation frequencies, and the factor cos and sin are scaled by (yarn)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        return _llama3_frequencies(inv_freq, scaling)
+    kind = rope_type(scaling)
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_frequencies(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_frequencies(inv_freq, head_dim, theta, scaling, max_positions)
     raise ValueError(
-        f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
+        f"rope_scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}"
     )
 
 
@@ -37,6 +46,47 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torc
     return torch.where(middle, blended, out)
 
 
+def _yarn_frequencies(
+    inv_freq: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    scaling: dict[str, Any],
+    max_positions: int,
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): pairs that turn more than `beta_fast` times over the original
+    context keep their frequency, pairs that turn fewer than `beta_slow` times are
+    interpolated by `factor`, a linear ramp blends the ones between; attention logits are
+    sharpened by 0.1 * ln(factor) + 1 through cos and sin."""
+    factor = scaling["factor"]
+    original = scaling.get("original_max_position_embeddings") or max_positions
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        weight, weight_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if weight and weight_all:
+            attention_factor = mscale(factor, weight) / mscale(factor, weight_all)
+        else:
+            attention_factor = mscale(factor)
+
+    def pair_turning(rotations: float) -> float:
+        """The (fractional) pair index whose wavelength fits `rotations` times in the context."""
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = pair_turning(scaling.get("beta_fast") or 32)
+    high = pair_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a step, not a division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, attention_factor
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position (HF's rotate-half layout)."""
 
@@ -48,9 +98,9 @@ class RotaryEmbedding:
         scaling: dict[str, Any] | None,
         dtype: torch.dtype,
     ) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling, max_positions)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = angles.cos() * attention_factor, angles.sin() * attention_factor
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
         # The sign of rotate-half's negated half, folded into the table once.
         self.sin = torch.cat((-sin, sin), dim=-1).to(dtype)
