@@ -46,6 +46,7 @@ def run_once(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> 
         max_model_len=args.input_len + args.output_len + 16,
         enable_prefix_caching=False,  # random prompts share nothing; keep it out of the way
         trace_file=trace_file,
+        pp_microbatch_tokens=args.pp_microbatch_tokens,
         **setup.engine_args,
     )
     core = EngineCore(config)
@@ -94,6 +95,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--pp-microbatch-tokens", type=int, default=EngineConfig.pp_microbatch_tokens
+    )
     parser.add_argument("--only", default="abcd", help="which setups to run, e.g. 'bc'")
     parser.add_argument("--trace-dir", default="results", help="traces + timeline PNGs here")
     args = parser.parse_args()

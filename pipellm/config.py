@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pipellm.model.model_config import ModelConfig
+from pipellm.model.rope import SUPPORTED as ROPE_TYPES
+from pipellm.model.rope import rope_type
 from pipellm.model.source import ModelSource, load_model_config, resolve_model
 
 DTYPES = {
@@ -55,6 +57,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     pp_balance: bool = True
+    # Balanced pipelines: most tokens in one micro-batch. Small micro-batches fill and drain
+    # the pipeline quickly, so a stage idles for less time (docs/pipeline.md).
+    pp_microbatch_tokens: int = 512
     num_threads: int | None = None  # torch threads per stage; default: cores divided by stages
     max_cudagraph_capture_size: int | None = None
     trust_remote_code: bool = False
@@ -99,6 +104,8 @@ class EngineConfig:
             _fail("kv_cache_memory", self.kv_cache_memory, "use a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use a value in (0, 1]")
+        if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
+            _fail("pp_microbatch_tokens", self.pp_microbatch_tokens, "use a positive integer")
         if self.num_threads is not None and self.num_threads <= 0:
             _fail("num_threads", self.num_threads, "use a positive integer")
 
@@ -142,6 +149,12 @@ class EngineConfig:
                 f"it holds {capacity} tokens but max_model_len is {self.max_model_len}; "
                 f"give at least {self.max_model_len // self.block_size + 1} blocks of "
                 f"{self.kv_bytes_per_block} bytes, or lower max_model_len",
+            )
+        kind = rope_type(self.model_config.rope_scaling)
+        if kind not in ROPE_TYPES:
+            raise ConfigError(
+                f"model {self.source.path}: its rope_scaling type {kind!r} is not supported; "
+                f"pipellm supports {', '.join(ROPE_TYPES)}"
             )
         layers = self.model_config.num_hidden_layers
         if self.pipeline_parallel_size > layers:

@@ -1,11 +1,15 @@
 """Bad settings fail up front with a message naming the setting, the value and the fix."""
 
+import argparse
+import dataclasses
+import json
 import shutil
 
 import pytest
 
 from pipellm import LLM, SamplingParams
 from pipellm.config import ConfigError, EngineConfig
+from pipellm.entrypoints.engine_args import add_engine_args
 from pipellm.model.source import ModelNotFoundError
 from tests.checkpoints import make_tiny_checkpoint
 
@@ -32,12 +36,23 @@ def tiny(tmp_path_factory):
         (dict(kv_cache_memory=1000), "kv_cache_memory"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "without chunked"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5"),
+        (dict(pp_microbatch_tokens=0), "pp_microbatch_tokens=0"),
     ],
 )
 def test_bad_settings_are_named(tiny, settings, message):
     with pytest.raises(ConfigError, match="invalid setting") as error:
         EngineConfig(model=tiny, **settings)
     assert message in str(error.value)
+
+
+def test_unsupported_rope_scaling_fails_before_any_process_starts(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path / "m")
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="rope_scaling type 'dynamic' is not supported"):
+        EngineConfig(model=str(directory), pipeline_parallel_size=2)
 
 
 def test_unknown_engine_argument_is_rejected(tiny):
@@ -76,3 +91,15 @@ def test_prompt_longer_than_max_model_len_is_rejected(tiny):
         # The engine is still usable afterwards.
         out = llm.generate([[5] * 8], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_cli_defaults_are_the_engine_config_defaults():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = vars(parser.parse_args([]))
+    checked = 0
+    for field in dataclasses.fields(EngineConfig):
+        if field.init and field.name in args and field.default is not dataclasses.MISSING:
+            assert args[field.name] == field.default, field.name
+            checked += 1
+    assert checked > 15

@@ -185,11 +185,77 @@ def test_balancing_splits_token_work_evenly_over_the_micro_batches():
         max_num_batched_tokens=8192,
         max_model_len=2048,
         num_micro_batches=2,
+        pp_microbatch_tokens=8192,
     )
     for i in range(6):
         add(scheduler, str(i), prompt_len=1000, max_tokens=4)
     first, second = scheduler.schedule(), scheduler.schedule()
     assert first.num_tokens == second.num_tokens == 3000
+
+
+def test_balanced_micro_batches_are_capped_when_the_pipeline_can_be_full():
+    scheduler = make_scheduler(
+        num_blocks=1024,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        num_micro_batches=2,
+        pp_microbatch_tokens=300,
+    )
+    for i in range(6):
+        add(scheduler, str(i), prompt_len=1000, max_tokens=4)
+    sizes = [out.num_tokens for out in run(scheduler, depth=2) if len(out.requests) > 1]
+    assert max(sizes) == 300
+    # Without balancing the cap does not apply: the seed's one big micro-batch.
+    unbalanced = make_scheduler(
+        num_blocks=1024,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        num_micro_batches=2,
+        pp_microbatch_tokens=300,
+        pp_balance=False,
+    )
+    for i in range(6):
+        add(unbalanced, str(i), prompt_len=1000, max_tokens=4)
+    assert unbalanced.schedule().num_tokens == 6000
+
+
+def test_balancing_does_not_cut_a_lone_remainder_into_round_trips():
+    """Near the end of a burst, one prompt's remainder plus decodes: the remainder goes in
+    one micro-batch rather than being halved again and again."""
+    scheduler = make_scheduler(
+        num_blocks=1024,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        num_micro_batches=2,
+    )
+    for i in range(4):
+        add(scheduler, str(i), prompt_len=20, max_tokens=50)
+    add(scheduler, "long", prompt_len=900, max_tokens=2)
+    chunks = [
+        r.num_scheduled_tokens
+        for out in run(scheduler, depth=2)
+        for r in out.requests
+        if r.request_id == "long"
+    ]
+    assert chunks[:2] == [512, 388], chunks
+
+
+def test_balancing_does_not_split_a_lone_prompt_even_under_the_cap():
+    scheduler = make_scheduler(
+        max_num_batched_tokens=4096,
+        max_model_len=2048,
+        num_micro_batches=2,
+        num_blocks=256,
+        pp_microbatch_tokens=100,
+    )
+    add(scheduler, "only", prompt_len=1000, max_tokens=4)
+    assert scheduler.schedule().num_tokens == 1000
 
 
 def test_balancing_does_not_split_a_lone_prompt():

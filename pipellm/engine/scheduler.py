@@ -24,6 +24,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     num_micro_batches: int = 1  # pipeline stages: how many micro-batches are in flight
     pp_balance: bool = True
+    pp_microbatch_tokens: int = 512  # balanced pipelines: most tokens per micro-batch
 
 
 @dataclass
@@ -120,7 +121,12 @@ class Scheduler:
         Balanced pipelines give each micro-batch an equal share of the outstanding work (tokens
         in flight plus tokens ready to schedule), so stage times match and no stage waits on a
         heavy micro-batch while a light one has already passed. The share is taken over no more
-        micro-batches than there are requests able to fill them: one lone prompt is not split.
+        micro-batches than there are requests able to fill them, and a request's own remainder
+        is not cut to fit it: it could not run in two micro-batches at once, so cutting it buys
+        no overlap, only extra round trips. When the pipeline can be full, the share is capped
+        at `pp_microbatch_tokens`: the pipeline fills and drains one micro-batch at a time, so
+        a stage idles for about one micro-batch at each end of a burst of prompts, and small
+        micro-batches keep that short.
         """
         cfg = self.config
         if not (cfg.pp_balance and cfg.num_micro_batches > 1):
@@ -129,9 +135,12 @@ class Scheduler:
         ready += list(self.waiting)[: max(0, cfg.max_num_seqs - len(self.running))]
         if not ready:
             return cfg.max_num_batched_tokens
-        work = self.num_in_flight_tokens + sum(r.num_tokens - r.num_computed_tokens for r in ready)
+        remaining = [r.num_tokens - r.num_computed_tokens for r in ready]
         ways = min(cfg.num_micro_batches, self.num_in_flight_batches + len(ready))
-        return max(1, min(cfg.max_num_batched_tokens, -(-work // ways)))
+        share = max(-(-(self.num_in_flight_tokens + sum(remaining)) // ways), max(remaining))
+        if ways == cfg.num_micro_batches:
+            share = min(share, cfg.pp_microbatch_tokens)
+        return max(1, min(cfg.max_num_batched_tokens, share))
 
     def _take(self, num_new: int, budget: int, batch_empty: bool) -> int:
         """How many of a request's remaining tokens go in this micro-batch (0: none)."""

@@ -75,6 +75,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="send requests to stages unbalanced, as before the seed's fix (for measuring)",
     )
+    g.add_argument(
+        "--pp-microbatch-tokens",
+        type=int,
+        default=512,
+        help="balanced pipelines: most tokens in one micro-batch (default 512); smaller "
+        "micro-batches leave shorter bubbles while the pipeline fills and drains",
+    )
     g.add_argument("--num-threads", type=int, help="torch threads per stage (default: cores / P)")
     g.add_argument(
         "--max-cudagraph-capture-size",
