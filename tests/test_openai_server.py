@@ -258,7 +258,12 @@ def test_metrics_exposition(server, client, model):
         "pipellm:e2e_request_latency_seconds_count",
     ):
         assert name in values, name
-    assert any(name.startswith("pipellm:stage_busy_fraction") for name in values)
+    for prefix in (
+        "pipellm:stage_busy_fraction",
+        "pipellm:stage_busy_seconds_total",
+        "pipellm:pipeline_active_seconds_total",
+    ):
+        assert any(name.startswith(prefix) for name in values), prefix
     assert values["pipellm:generation_tokens_total"] >= 3
 
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from pipellm.bench.bubbles import stage_gaps
 from pipellm.bench.timeline import load_slices, render_timeline
 from pipellm.engine.pipeline_stats import MicroBatchRecord, PipelineStats
 
@@ -34,6 +35,22 @@ def test_busy_and_idle_fractions_over_active_time():
     )
 
 
+def test_running_totals_keep_counting_past_the_kept_records(monkeypatch):
+    clock = iter([0.0, 0.5, 2.0, 3.0, 10.0, 12.0])
+    monkeypatch.setattr("pipellm.engine.pipeline_stats.time.time", lambda: next(clock))
+    stats = PipelineStats(num_stages=2, max_records=2)
+    stats.on_submit(0, 1, 10, 1)
+    stats.on_submit(1, 1, 10, 2)
+    stats.on_done(0, [(0.0, 1.0), (1.0, 2.0)])
+    stats.on_done(1, [(1.0, 2.0), (2.0, 3.0)])
+    stats.on_submit(2, 1, 10, 1)
+    stats.on_done(2, [(10.0, 11.0), (11.0, 11.5)])
+    assert [r.step_id for r in stats.records] == [1, 2], "the newest records are kept"
+    assert stats.active_total == pytest.approx(5.0)  # [0, 3] and [10, 12]
+    assert stats.stage_busy_total == pytest.approx([3.0, 2.5])
+    assert stats.summary(since=5.0)["stage_busy_s"] == pytest.approx([1.0, 0.5])
+
+
 def test_trace_has_one_lane_per_stage_and_renders(tmp_path):
     records = [
         MicroBatchRecord(i, i * 1.0, i + 2.0, 1, 10, 2, [(i, i + 1.0), (i + 1.0, i + 2.0)])
@@ -48,3 +65,20 @@ def test_trace_has_one_lane_per_stage_and_renders(tmp_path):
     png = tmp_path / "t.png"
     render_timeline(trace, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bubbles_tell_waiting_on_the_other_stage_from_overhead(tmp_path):
+    records = [
+        MicroBatchRecord(0, 0.0, 3.0, 1, 10, 1, [(0.0, 1.0), (1.05, 3.0)]),
+        MicroBatchRecord(1, 0.0, 3.5, 1, 10, 2, [(1.0, 2.0), (3.0, 3.5)]),
+        # Stage 0 waits for micro-batch 0 to come back (queue depth 2), then 0.1 s overhead;
+        # stage 1 then waits for stage 0 and starts 0.02 s after its input is ready.
+        MicroBatchRecord(2, 3.0, 5.0, 1, 10, 2, [(3.1, 4.0), (4.02, 5.0)]),
+    ]
+    trace = tmp_path / "t.json"
+    stats_with(records).write_trace(str(trace))
+    first, second = stage_gaps(trace)
+    assert first.busy_s == pytest.approx(2.9) and second.busy_s == pytest.approx(3.43)
+    assert first.waiting_s == pytest.approx(1.0) and first.overhead_s == pytest.approx(0.1)
+    assert second.waiting_s == pytest.approx(0.5) and second.overhead_s == pytest.approx(0.02)
+    assert first.span_s == pytest.approx(5.0)

@@ -28,6 +28,7 @@ from pipellm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
+STATS_WINDOW_S = 60.0  # stats()["pipeline"] (and /metrics' busy gauge) cover this recent window
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -77,6 +78,7 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 num_micro_batches=config.pipeline_parallel_size,
                 pp_balance=config.pp_balance,
+                pp_microbatch_tokens=config.pp_microbatch_tokens,
             ),
             self.block_manager,
         )
@@ -160,7 +162,7 @@ class EngineCore:
             )
 
     def stats(self) -> dict:
-        """A snapshot for logs and /metrics."""
+        """A snapshot for logs and /metrics; "pipeline" covers the last STATS_WINDOW_S."""
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -171,7 +173,9 @@ class EngineCore:
             "num_in_flight": len(self.in_flight),
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generation_tokens,
-            "pipeline": self.pipeline_stats.summary(),
+            "pipeline": self.pipeline_stats.summary(since=time.time() - STATS_WINDOW_S),
+            "stage_busy_seconds_total": list(self.pipeline_stats.stage_busy_total),
+            "pipeline_active_seconds_total": self.pipeline_stats.active_total,
         }
 
     def _apply(

@@ -7,8 +7,10 @@ micro-batches' submit-to-done intervals), so an idle server shows no bubbles.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -26,25 +28,33 @@ class MicroBatchRecord:
 class PipelineStats:
     def __init__(self, num_stages: int, max_records: int = 200_000) -> None:
         self.num_stages = num_stages
-        self.max_records = max_records
-        self.records: list[MicroBatchRecord] = []
+        self.records: deque[MicroBatchRecord] = deque(maxlen=max_records)  # the newest
         self._submitted: dict[int, tuple[float, int, int, int]] = {}
+        # Running totals since start, for counters (records only keep the newest).
+        self.stage_busy_total = [0.0] * num_stages
+        self.active_total = 0.0
+        self._active_until = 0.0
 
     def on_submit(self, step_id: int, num_requests: int, num_tokens: int, depth: int) -> None:
         self._submitted[step_id] = (time.time(), num_requests, num_tokens, depth)
 
     def on_done(self, step_id: int, stage_times: list[tuple[float, float]]) -> None:
         submitted, num_requests, num_tokens, depth = self._submitted.pop(step_id)
-        if len(self.records) < self.max_records:
-            self.records.append(
-                MicroBatchRecord(
-                    step_id, submitted, time.time(), num_requests, num_tokens, depth, stage_times
-                )
-            )
+        done = time.time()
+        self.records.append(
+            MicroBatchRecord(step_id, submitted, done, num_requests, num_tokens, depth, stage_times)
+        )
+        for stage, (start, end) in enumerate(stage_times):
+            self.stage_busy_total[stage] += end - start
+        # Outputs come back in submission order, so the union of the in-flight intervals
+        # grows at its end only.
+        self.active_total += max(0.0, done - max(submitted, self._active_until))
+        self._active_until = max(self._active_until, done)
 
     def summary(self, since: float = 0.0) -> dict[str, float | list[float]]:
-        """Figures over the micro-batches submitted at or after `since` (a time.time())."""
-        records = [r for r in self.records if r.submitted >= since]
+        """Figures over the (kept) micro-batches submitted at or after `since` (a time.time())."""
+        newest_first = itertools.takewhile(lambda r: r.submitted >= since, reversed(self.records))
+        records = list(newest_first)[::-1]
         if not records:
             return {"num_micro_batches": 0}
         active = _union_length([(r.submitted, r.done) for r in records])

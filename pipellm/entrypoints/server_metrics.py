@@ -55,11 +55,26 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(f"pipellm:{name}", help_text, labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
+        active = CounterMetricFamily(
+            "pipellm:pipeline_active_seconds",
+            "Time the engine had work in flight (rate() it against stage_busy_seconds).",
+            labels=["model_name"],
+        )
+        active.add_metric([self.model_name], stats["pipeline_active_seconds_total"])
+        yield active
+        busy_seconds = CounterMetricFamily(
+            "pipellm:stage_busy_seconds",
+            "Time each pipeline stage spent computing micro-batches.",
+            labels=["model_name", "stage"],
+        )
+        for stage, seconds in enumerate(stats["stage_busy_seconds_total"]):
+            busy_seconds.add_metric([self.model_name, str(stage)], seconds)
+        yield busy_seconds
         busy = stats["pipeline"].get("stage_busy_fraction", [0.0] * self.num_stages)
         stage_busy = GaugeMetricFamily(
             "pipellm:stage_busy_fraction",
             "Fraction of the time the engine had work in flight that each pipeline stage was "
-            "computing (since start).",
+            "computing, over the last minute.",
             labels=["model_name", "stage"],
         )
         for stage, fraction in enumerate(busy):
