@@ -21,6 +21,20 @@ def make_scheduler(num_blocks=64, block_size=4, prefix=True, **overrides) -> Sch
     return Scheduler(SchedulerConfig(**settings), BlockManager(num_blocks, block_size, prefix))
 
 
+def two_stage_scheduler(**overrides) -> Scheduler:
+    """Two micro-batches in flight, room for 8 requests of 1000-odd tokens."""
+    settings = dict(
+        num_blocks=1024,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        num_micro_batches=2,
+    )
+    settings.update(overrides)
+    return make_scheduler(**settings)
+
+
 def fake_output(out: SchedulerOutput) -> ModelOutput:
     return ModelOutput(out.step_id, [7] * out.num_sampled)
 
@@ -178,15 +192,7 @@ def test_workers_receive_only_new_tokens_after_the_first_step():
 
 
 def test_balancing_splits_token_work_evenly_over_the_micro_batches():
-    scheduler = make_scheduler(
-        num_blocks=1024,
-        block_size=16,
-        max_num_seqs=8,
-        max_num_batched_tokens=8192,
-        max_model_len=2048,
-        num_micro_batches=2,
-        pp_microbatch_tokens=8192,
-    )
+    scheduler = two_stage_scheduler(pp_microbatch_tokens=8192)
     for i in range(6):
         add(scheduler, str(i), prompt_len=1000, max_tokens=4)
     first, second = scheduler.schedule(), scheduler.schedule()
@@ -194,30 +200,13 @@ def test_balancing_splits_token_work_evenly_over_the_micro_batches():
 
 
 def test_balanced_micro_batches_are_capped_when_the_pipeline_can_be_full():
-    scheduler = make_scheduler(
-        num_blocks=1024,
-        block_size=16,
-        max_num_seqs=8,
-        max_num_batched_tokens=8192,
-        max_model_len=2048,
-        num_micro_batches=2,
-        pp_microbatch_tokens=300,
-    )
+    scheduler = two_stage_scheduler(pp_microbatch_tokens=300)
     for i in range(6):
         add(scheduler, str(i), prompt_len=1000, max_tokens=4)
     sizes = [out.num_tokens for out in run(scheduler, depth=2) if len(out.requests) > 1]
     assert max(sizes) == 300
     # Without balancing the cap does not apply: the seed's one big micro-batch.
-    unbalanced = make_scheduler(
-        num_blocks=1024,
-        block_size=16,
-        max_num_seqs=8,
-        max_num_batched_tokens=8192,
-        max_model_len=2048,
-        num_micro_batches=2,
-        pp_microbatch_tokens=300,
-        pp_balance=False,
-    )
+    unbalanced = two_stage_scheduler(pp_microbatch_tokens=300, pp_balance=False)
     for i in range(6):
         add(unbalanced, str(i), prompt_len=1000, max_tokens=4)
     assert unbalanced.schedule().num_tokens == 6000
@@ -226,14 +215,7 @@ def test_balanced_micro_batches_are_capped_when_the_pipeline_can_be_full():
 def test_balancing_does_not_cut_a_lone_remainder_into_round_trips():
     """Near the end of a burst, one prompt's remainder plus decodes: the remainder goes in
     one micro-batch rather than being halved again and again."""
-    scheduler = make_scheduler(
-        num_blocks=1024,
-        block_size=16,
-        max_num_seqs=8,
-        max_num_batched_tokens=8192,
-        max_model_len=2048,
-        num_micro_batches=2,
-    )
+    scheduler = two_stage_scheduler(pp_microbatch_tokens=512)
     for i in range(4):
         add(scheduler, str(i), prompt_len=20, max_tokens=50)
     add(scheduler, "long", prompt_len=900, max_tokens=2)
@@ -247,13 +229,7 @@ def test_balancing_does_not_cut_a_lone_remainder_into_round_trips():
 
 
 def test_balancing_does_not_split_a_lone_prompt_even_under_the_cap():
-    scheduler = make_scheduler(
-        max_num_batched_tokens=4096,
-        max_model_len=2048,
-        num_micro_batches=2,
-        num_blocks=256,
-        pp_microbatch_tokens=100,
-    )
+    scheduler = two_stage_scheduler(pp_microbatch_tokens=100)
     add(scheduler, "only", prompt_len=1000, max_tokens=4)
     assert scheduler.schedule().num_tokens == 1000
 
@@ -269,14 +245,7 @@ def test_balancing_does_not_split_a_lone_prompt():
 def test_balanced_micro_batches_stay_close_in_steady_state():
     """Closed loop, 8 at a time, two micro-batches in flight: consecutive micro-batches
     carry comparable token counts once the first prompts are through."""
-    scheduler = make_scheduler(
-        num_blocks=4096,
-        block_size=16,
-        max_num_seqs=8,
-        max_num_batched_tokens=8192,
-        max_model_len=4096,
-        num_micro_batches=2,
-    )
+    scheduler = two_stage_scheduler(num_blocks=4096, max_model_len=4096, pp_microbatch_tokens=8192)
     in_flight: deque[SchedulerOutput] = deque()
     sizes, submitted = [], 0
     while submitted < 32 or scheduler.has_unfinished():
