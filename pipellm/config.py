@@ -59,7 +59,7 @@ class EngineConfig:
     pp_balance: bool = True
     # Balanced pipelines: most tokens in one micro-batch. Small micro-batches fill and drain
     # the pipeline quickly, so a stage idles for less time (docs/pipeline.md).
-    pp_microbatch_tokens: int = 512
+    pp_microbatch_tokens: int = 128
     num_threads: int | None = None  # torch threads per stage; default: cores divided by stages
     max_cudagraph_capture_size: int | None = None
     trust_remote_code: bool = False

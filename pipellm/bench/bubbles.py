@@ -1,11 +1,11 @@
 """Why each pipeline stage sat idle, from a trace written with --trace-file.
 
 Every gap between two micro-batches on a stage is one of two kinds:
-- overhead: the stage's input was already there when it became free (transfer, the engine's
-  loop, input preparation) - the pipeline machinery's own cost;
+- overhead: the stage's input was already there when it became free (transfer, input
+  preparation) - the pipeline machinery's own cost;
 - waiting: the input was not ready yet - the previous stage was still computing it, or, on
-  stage 0, the micro-batch P places back had not returned (the batch queue was full). This is
-  the pipeline bubble: imbalance, filling and draining.
+  stage 0, the engine had not submitted it (the batch queue was full, or every runnable
+  request was already in flight). This is the pipeline bubble: imbalance, filling, draining.
 Usage: python -m pipellm.bench.bubbles TRACE.json
 """
 
@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
-
-from pipellm.bench.timeline import load_slices
 
 
 @dataclass
@@ -28,16 +27,18 @@ class StageGaps:
 
 
 def stage_gaps(trace_path: str | Path) -> list[StageGaps]:
-    lanes = load_slices(trace_path)
-    num_stages = len(lanes)
+    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"] if e["ph"] == "X"]
+    lanes = sorted({e["tid"] for e in events})
     spans: dict[tuple[int, int], tuple[float, float]] = {}
-    for stage, lane in lanes.items():
-        for start, duration, name in lane:
-            spans[(int(name.split()[-1]), stage)] = (start, start + duration)
+    submitted: dict[int, float] = {}
+    for e in events:
+        step = int(e["name"].split()[-1])
+        spans[(step, e["tid"])] = (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+        submitted[step] = e["args"]["submitted_us"] / 1e6
     first = min(start for start, _ in spans.values())
     last = max(end for _, end in spans.values())
     result = []
-    for stage in sorted(lanes):
+    for stage in lanes:
         steps = sorted(step for step, s in spans if s == stage)
         busy = sum(end - start for step in steps for start, end in [spans[(step, stage)]])
         overhead = waiting = 0.0
@@ -45,8 +46,7 @@ def stage_gaps(trace_path: str | Path) -> list[StageGaps]:
             free, start = spans[(previous, stage)][1], spans[(step, stage)][0]
             if start <= free:
                 continue
-            source = (step, stage - 1) if stage > 0 else (step - num_stages, num_stages - 1)
-            ready = spans[source][1] if source in spans else free
+            ready = spans[(step, stage - 1)][1] if stage > 0 else submitted[step]
             overhead += max(0.0, start - max(free, ready))
             waiting += max(0.0, min(ready, start) - free)
         result.append(StageGaps(busy, overhead, waiting, last - first))

@@ -83,7 +83,12 @@ class PipelineStats:
         ]
         origin = min((r.submitted for r in self.records), default=0.0)
         for r in self.records:
-            args = {"requests": r.num_requests, "tokens": r.num_tokens, "queue": r.queue_depth}
+            args = {
+                "requests": r.num_requests,
+                "tokens": r.num_tokens,
+                "queue": r.queue_depth,
+                "submitted_us": (r.submitted - origin) * 1e6,  # when the engine sent it
+            }
             for stage, (start, end) in enumerate(r.stage_times):
                 events.append(
                     {

@@ -24,7 +24,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     num_micro_batches: int = 1  # pipeline stages: how many micro-batches are in flight
     pp_balance: bool = True
-    pp_microbatch_tokens: int = 512  # balanced pipelines: most tokens per micro-batch
+    pp_microbatch_tokens: int = 128  # balanced pipelines: most tokens per micro-batch
 
 
 @dataclass
