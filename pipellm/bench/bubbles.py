@@ -40,7 +40,7 @@ def stage_gaps(trace_path: str | Path) -> list[StageGaps]:
     result = []
     for stage in lanes:
         steps = sorted(step for step, s in spans if s == stage)
-        busy = sum(end - start for step in steps for start, end in [spans[(step, stage)]])
+        busy = sum(spans[(step, stage)][1] - spans[(step, stage)][0] for step in steps)
         overhead = waiting = 0.0
         for previous, step in itertools.pairwise(steps):
             free, start = spans[(previous, stage)][1], spans[(step, stage)][0]

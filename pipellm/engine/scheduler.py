@@ -108,6 +108,10 @@ class Scheduler:
             self._preempt(victims[-1])
         return True
 
+    def _ready_running(self) -> list[Request]:
+        """Running requests that can join the micro-batch being formed (none in flight)."""
+        return [r for r in self.running if not r.in_flight and r.status == RequestStatus.RUNNING]
+
     def _admission_limit(self) -> int:
         """New or resumed requests per micro-batch: the seed's rule spreads them over P."""
         cfg = self.config
@@ -131,7 +135,7 @@ class Scheduler:
         cfg = self.config
         if not (cfg.pp_balance and cfg.num_micro_batches > 1):
             return cfg.max_num_batched_tokens
-        ready = [r for r in self.running if not r.in_flight and r.status == RequestStatus.RUNNING]
+        ready = self._ready_running()
         ready += list(self.waiting)[: max(0, cfg.max_num_seqs - len(self.running))]
         if not ready:
             return cfg.max_num_batched_tokens
@@ -160,7 +164,7 @@ class Scheduler:
         chunks: list[tuple[Request, int, bool]] = []  # (request, tokens, is_new)
 
         # Decodes first (one token each, latency-bound), then unfinished prompt chunks.
-        ready = [r for r in self.running if not r.in_flight and r.status == RequestStatus.RUNNING]
+        ready = self._ready_running()
         ready.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for request in ready:
             if budget <= 0:

@@ -50,18 +50,16 @@ class EngineStatsCollector(Collector):
             ("prompt_tokens", "Prompt tokens admitted.", stats["prompt_tokens_total"]),
             ("generation_tokens", "Tokens generated.", stats["generation_tokens_total"]),
             ("num_preemptions", "Requests preempted for KV-cache space.", stats["num_preemptions"]),
+            (
+                "pipeline_active_seconds",
+                "Time the engine had work in flight (rate() it against stage_busy_seconds).",
+                stats["pipeline_active_seconds_total"],
+            ),
         )
         for name, help_text, value in counters:
             counter = CounterMetricFamily(f"pipellm:{name}", help_text, labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
-        active = CounterMetricFamily(
-            "pipellm:pipeline_active_seconds",
-            "Time the engine had work in flight (rate() it against stage_busy_seconds).",
-            labels=["model_name"],
-        )
-        active.add_metric([self.model_name], stats["pipeline_active_seconds_total"])
-        yield active
         busy_seconds = CounterMetricFamily(
             "pipellm:stage_busy_seconds",
             "Time each pipeline stage spent computing micro-batches.",
