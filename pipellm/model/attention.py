@@ -1,8 +1,10 @@
-"""Attention over the paged KV cache: one batched SDPA call for all decodes, one per prefill.
+"""Attention over the paged KV cache: one call for all decodes, one SDPA call per prefill.
 
-Each layer's cache is a pair of [num_blocks, block_size, kv_heads, head_dim] tensors. Reads
-copy whole blocks (index_select on the block dimension): one contiguous block_size * kv_heads *
-head_dim run per block, measured 3-5x faster than gathering token slots one by one.
+Each layer's cache is a pair of [num_blocks, block_size, kv_heads, head_dim] tensors. Decodes
+use pipellm's own kernel, which reads the cache in place (pipellm/kernels/), where it is built;
+otherwise, and for prefills, reads copy whole blocks (index_select on the block dimension): one
+contiguous block_size * kv_heads * head_dim run per block, measured 3-5x faster than gathering
+token slots one by one.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pipellm.kernels.cpu_kernels import DECODE_ATTENTION_HEAD_DIMS, cpu_kernels_available
 from pipellm.model.forward_batch import ForwardBatch
 
 
@@ -19,6 +22,15 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     num_blocks, block_size, num_heads, head_dim = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
     return rows.view(*block_tables.shape[:-1], -1, num_heads, head_dim)
+
+
+def decode_kernel_applies(q: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS
+        and cpu_kernels_available()
+    )
 
 
 def paged_attention(
@@ -38,10 +50,20 @@ def paged_attention(
     num_heads, head_dim = k.shape[1:]
     k_cache.view(-1, num_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
     v_cache.view(-1, num_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     gqa = q.shape[1] != num_heads
     nd = batch.num_decodes
-    if nd:
+    if nd and decode_kernel_applies(q):
+        torch.ops.pipellm.paged_decode_attention(
+            out[:nd],
+            q[:nd],
+            k_cache,
+            v_cache,
+            batch.decode_block_tables,
+            batch.decode_context_lens,
+            scale,
+        )
+    elif nd:
         tables = batch.decode_block_tables
         out[:nd] = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2),  # [D, H, 1, Dh]

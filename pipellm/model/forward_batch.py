@@ -27,6 +27,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) of each token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] each decode's blocks, padded
+    decode_context_lens: torch.Tensor | None  # [D] int64, tokens each decode attends to
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
     logits_indices: torch.Tensor  # [S] rows whose hidden state is sampled

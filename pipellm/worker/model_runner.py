@@ -65,12 +65,13 @@ class ModelRunner:
             positions += range(start, end)
             slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             last_row[i] = len(input_ids) - 1
-        tables, mask = self._decode_inputs([items[i] for i in decodes])
+        tables, context_lens, mask = self._decode_inputs([items[i] for i in decodes])
         batch = ForwardBatch(
             positions=torch.tensor(positions),
             slot_mapping=torch.tensor(slot_mapping),
             num_decodes=len(decodes),
             decode_block_tables=tables,
+            decode_context_lens=context_lens,
             decode_mask=mask,
             prefills=prefills,
             logits_indices=torch.tensor(
@@ -88,17 +89,17 @@ class ModelRunner:
 
     def _decode_inputs(
         self, decodes: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Block tables padded with block 0 to the longest context, and the mask hiding the
-        padding (and each row's slots past its own context)."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Block tables padded with block 0 to the longest context, the context lengths, and
+        the mask hiding the padding (and each row's slots past its own context)."""
         if not decodes:
-            return None, None
+            return None, None, None
         context_lens = [d.num_computed_tokens + 1 for d in decodes]
         max_blocks = -(-max(context_lens) // self.block_size)
         tables = []
         for d in decodes:
             blocks = self.requests[d.request_id].block_ids[:max_blocks]
             tables.append(blocks + [0] * (max_blocks - len(blocks)))
-        positions = torch.arange(max_blocks * self.block_size)
-        mask = positions < torch.tensor(context_lens).unsqueeze(1)
-        return torch.tensor(tables), mask.view(len(decodes), 1, 1, -1)
+        lens = torch.tensor(context_lens)
+        mask = torch.arange(max_blocks * self.block_size) < lens.unsqueeze(1)
+        return torch.tensor(tables), lens, mask.view(len(decodes), 1, 1, -1)

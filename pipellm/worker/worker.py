@@ -9,6 +9,7 @@ import torch
 
 from pipellm.config import EngineConfig
 from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.kernels.cpu_kernels import cpu_kernels_available
 from pipellm.model.llama import LlamaStage
 from pipellm.model.sampler import sample
 from pipellm.model.weights import iter_weights
@@ -40,6 +41,7 @@ def keep_freed_memory() -> None:
 class StageWorker:
     def __init__(self, config: EngineConfig, stage_rank: int) -> None:
         keep_freed_memory()
+        cpu_kernels_available()  # build or load them now, not in the first step
         self.config = config
         self.stage_rank = stage_rank
         num_stages = config.pipeline_parallel_size

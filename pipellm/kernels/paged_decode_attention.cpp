@@ -1,0 +1,225 @@
+// Decode attention read straight from the paged KV cache: one query token per sequence.
+//
+// Why a kernel of our own: on the CPU, gathering each sequence's blocks into a padded tensor
+// and calling SDPA copies every key and value once (the gather) and then runs SDPA's flash
+// kernel, which is slow at query length 1. Here each (sequence, KV head) pair is one task that
+// reads its keys and values once, in place, and serves all query heads of its GQA group while
+// they are in L1. Two passes: scores (and an exact softmax over them), then the weighted sum of
+// values. AVX2 + FMA, float32 only; pipellm/kernels/cpu_kernels.py builds it and falls back to
+// SDPA where it cannot.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Tokens whose key (or value) rows are looked up together and reused by every head of a group.
+constexpr int64_t kChunk = 64;
+
+// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, exp(r) by a degree-6 polynomial
+// (Cephes' coefficients), times 2^n built in the exponent bits. ~1 ulp; underflows to 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// out[i] = sum of the lanes of a[i]: eight dot products finished with 7 hadds instead of 24.
+inline __m256 sum_each(const __m256 a[8]) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+struct CacheView {
+  const float* base;    // this KV head's slice of the cache (block 0, token 0)
+  const int64_t* table;  // this sequence's block ids
+  int64_t block_size;
+  int64_t block_stride;  // floats between blocks
+  int64_t token_stride;  // floats between tokens of a block
+
+  // Row pointers of tokens [first, first + n).
+  void rows(int64_t first, int64_t n, const float** out) const {
+    for (int64_t i = 0, b = first / block_size, o = first % block_size; i < n; ++i) {
+      out[i] = base + table[b] * block_stride + o * token_stride;
+      if (++o == block_size) {
+        o = 0;
+        ++b;
+      }
+    }
+  }
+};
+
+// One sequence and KV head: `group` query heads of head_dim 8 * V, `len` cached tokens.
+// scores: scratch of group * round_up(len, 8) floats.
+template <int V>
+void attend(const float* query, int64_t query_head_stride, int64_t group, const CacheView& keys,
+            const CacheView& values, int64_t len, float scale, float* scores, float* out) {
+  constexpr int64_t D = 8 * V;
+  const int64_t padded = (len + 7) / 8 * 8;
+  const float* rows[kChunk];
+  for (int64_t first = 0; first < len; first += kChunk) {
+    const int64_t n = std::min(kChunk, len - first);
+    keys.rows(first, n, rows);
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 q[V];
+      for (int j = 0; j < V; ++j) q[j] = _mm256_loadu_ps(query + g * query_head_stride + j * 8);
+      for (int64_t i = 0; i < n; i += 8) {
+        __m256 dots[8];
+        for (int u = 0; u < 8; ++u) {
+          const float* k = rows[std::min<int64_t>(i + u, n - 1)];  // past the end: a repeat
+          __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
+          for (int j = 1; j < V; ++j) acc = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(k + j * 8), acc);
+          dots[u] = acc;
+        }
+        _mm256_storeu_ps(scores + g * padded + first + i,
+                         _mm256_mul_ps(sum_each(dots), _mm256_set1_ps(scale)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * padded;
+    std::fill(s + len, s + padded, -INFINITY);
+    __m256 m = _mm256_loadu_ps(s);
+    for (int64_t t = 8; t < padded; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+    m = _mm256_set1_ps(horizontal_max(m));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+      _mm256_storeu_ps(s + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    const __m256 inverse = _mm256_set1_ps(1.0f / horizontal_sum(total));
+    for (int64_t t = 0; t < padded; t += 8)
+      _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inverse));
+    std::fill(out + g * D, out + (g + 1) * D, 0.0f);
+  }
+  for (int64_t first = 0; first < len; first += kChunk) {
+    const int64_t n = std::min(kChunk, len - first);
+    values.rows(first, n, rows);
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 acc[V];
+      for (int j = 0; j < V; ++j) acc[j] = _mm256_loadu_ps(out + g * D + j * 8);
+      const float* p = scores + g * padded + first;
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 weight = _mm256_broadcast_ss(p + i);
+        for (int j = 0; j < V; ++j)
+          acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(rows[i] + j * 8), acc[j]);
+      }
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(out + g * D + j * 8, acc[j]);
+    }
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, int64_t, const CacheView&, const CacheView&,
+                          int64_t, float, float*, float*);
+
+AttendFn attend_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return attend<2>;
+    case 32: return attend<4>;
+    case 64: return attend<8>;
+    case 80: return attend<10>;
+    case 96: return attend<12>;
+    case 128: return attend<16>;
+    default: return nullptr;
+  }
+}
+
+// out, query: [S, H, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
+// block_tables: [S, max_blocks] int64; context_lens: [S] int64, tokens to attend to (>= 1).
+void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            double scale) {
+  for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "paged_decode_attention: float32 CPU tensors only");
+  TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "paged_decode_attention: out and the caches must be contiguous");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && out.sizes() == query.sizes(),
+              "paged_decode_attention: query and out must be [seqs, heads, head_dim]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "paged_decode_attention: caches must be [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
+              "paged_decode_attention: block_tables and context_lens must be contiguous int64");
+  const int64_t seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == head_dim && heads % kv_heads == 0,
+              "paged_decode_attention: query and cache head shapes do not match");
+  TORCH_CHECK(block_tables.size(0) == seqs && context_lens.numel() == seqs,
+              "paged_decode_attention: one block table and context length per sequence");
+  const AttendFn attend_fn = attend_for(head_dim);
+  TORCH_CHECK(attend_fn != nullptr, "paged_decode_attention: head_dim ", head_dim, " unsupported");
+  const int64_t max_blocks = block_tables.size(1), num_blocks = key_cache.size(0);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "bad context length");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
+                  "block id out of range");
+  }
+  const int64_t group = heads / kv_heads;
+  const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+  const float* q = query.data_ptr<float>();
+  const float* k = key_cache.data_ptr<float>();
+  const float* v = value_cache.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lens[s];
+      scores.resize(group * ((len + 7) / 8 * 8));
+      const CacheView keys{k + h * head_dim, tables + s * max_blocks, block_size, block_stride,
+                           token_stride};
+      const CacheView values{v + h * head_dim, tables + s * max_blocks, block_size, block_stride,
+                             token_stride};
+      attend_fn(q + s * query.stride(0) + h * group * query.stride(1), query.stride(1), group,
+                keys, values, len, static_cast<float>(scale), scores.data(),
+                o + (s * heads + h * group) * head_dim);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pipellm, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()",
+      &paged_decode_attention);
+}

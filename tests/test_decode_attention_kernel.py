@@ -1,0 +1,135 @@
+"""pipellm's paged decode attention kernel against a plain PyTorch reference."""
+
+import math
+
+import pytest
+import torch
+
+import pipellm.model.attention as attention
+from pipellm.kernels.cpu_kernels import (
+    DECODE_ATTENTION_HEAD_DIMS,
+    cpu_kernels_available,
+    why_unavailable,
+)
+from pipellm.model.forward_batch import ForwardBatch
+
+
+def test_kernels_build_where_they_can():
+    # A broken build must fail here, not silently fall back everywhere else.
+    if why_unavailable() is None:
+        assert cpu_kernels_available()
+
+
+@pytest.fixture
+def kernels():
+    if why_unavailable() is not None:
+        pytest.skip(f"CPU kernels unavailable here: {why_unavailable()}")
+    assert cpu_kernels_available()
+
+
+def random_paged_cache(lens, block_size, kv_heads, head_dim, seed=0):
+    """Caches with every sequence's blocks scattered at random, and its padded block table."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_per_seq)
+    tables, used = [], 0
+    for n in blocks_per_seq:
+        tables.append(ids[used : used + n] + [0] * (width - n))
+        used += n
+    return k_cache, v_cache, torch.tensor(tables)
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """Per sequence, in float64: softmax(q K^T * scale) V over its first len tokens."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for s, n in enumerate(lens):
+        keys = k_cache[tables[s]].flatten(0, 1)[:n].double()  # [n, Hkv, D]
+        values = v_cache[tables[s]].flatten(0, 1)[:n].double()
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[s].double(), keys) * scale
+        out[s] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).float()
+    return out
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("head_dim", sorted(DECODE_ATTENTION_HEAD_DIMS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
+def test_kernel_matches_reference(head_dim, heads, kv_heads):
+    lens = [1, 7, 16, 17, 64, 65, 130, 300]
+    block_size = 16
+    k_cache, v_cache, tables = random_paged_cache(lens, block_size, kv_heads, head_dim)
+    # A query that is a strided view, as the model's split of its fused projection gives.
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, head_dim)
+    q = qkv[:, :heads]
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.empty(q.shape)
+    torch.ops.pipellm.paged_decode_attention(
+        out, q, k_cache, v_cache, tables, torch.tensor(lens), scale
+    )
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, scale))
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_kernel_other_block_sizes(block_size):
+    lens = [3, 33, 100]
+    k_cache, v_cache, tables = random_paged_cache(lens, block_size, 2, 64, seed=1)
+    q = torch.randn(len(lens), 6, 64) * 4  # peaked softmax
+    out = torch.empty(q.shape)
+    torch.ops.pipellm.paged_decode_attention(
+        out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125
+    )
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 0.125))
+
+
+@pytest.mark.usefixtures("kernels")
+def test_kernel_rejects_what_would_read_out_of_bounds():
+    k_cache, v_cache, tables = random_paged_cache([20], 16, 2, 64)
+    q, out = torch.randn(1, 4, 64), torch.empty(1, 4, 64)
+    op = torch.ops.pipellm.paged_decode_attention
+    with pytest.raises(RuntimeError, match="context length"):
+        op(out, q, k_cache, v_cache, tables, torch.tensor([33]), 0.125)  # 2 blocks hold 32
+    with pytest.raises(RuntimeError, match="block id"):
+        op(out, q, k_cache, v_cache, tables + 1000, torch.tensor([20]), 0.125)
+    k48, v48, _ = random_paged_cache([20], 16, 2, 48)
+    with pytest.raises(RuntimeError, match="head_dim 48"):
+        op(torch.empty(1, 4, 48), torch.randn(1, 4, 48), k48, v48, tables, torch.tensor([20]), 0.1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(out, q, k_cache[:, :8], v_cache[:, :8], tables, torch.tensor([8]), 0.125)
+
+
+@pytest.mark.usefixtures("kernels")
+def test_paged_attention_same_with_and_without_kernel(monkeypatch):
+    """Decodes and a continued prefill chunk in one batch: the kernel path and the block
+    gather + SDPA path agree, and both write the new keys and values to the same slots."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = [40, 5, 90]  # decodes' contexts, new token included
+    k_cache, v_cache, tables = random_paged_cache(lens, block_size, kv_heads, head_dim, seed=2)
+    slots = [
+        int(tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+        for s, n in enumerate(lens)
+    ]
+    mask = torch.arange(tables.shape[1] * block_size) < torch.tensor(lens).unsqueeze(1)
+    batch = ForwardBatch(
+        positions=torch.tensor([n - 1 for n in lens]),
+        slot_mapping=torch.tensor(slots),
+        num_decodes=len(lens),
+        decode_block_tables=tables,
+        decode_context_lens=torch.tensor(lens),
+        decode_mask=mask.view(len(lens), 1, 1, -1),
+        prefills=[],
+        logits_indices=torch.arange(len(lens)),
+    )
+    q = torch.randn(len(lens), heads, head_dim)
+    k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
+    caches = (k_cache.clone(), v_cache.clone())
+    with_kernel = attention.paged_attention(q, k, v, *caches, batch, 0.125)
+    monkeypatch.setattr(attention, "cpu_kernels_available", lambda: False)
+    without = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125)
+    torch.testing.assert_close(with_kernel, without)
+    torch.testing.assert_close(caches[0], k_cache, rtol=0, atol=0)
