@@ -6,23 +6,37 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipellm.kernels.cpu_kernels import why_unavailable
+from pipellm.model import linear
 from pipellm.model.attention import gather_blocks
-from pipellm.model.linear import PackedLinear, can_prepack
 from pipellm.model.llama import LlamaStage
 from pipellm.model.source import load_model_config, resolve_model
 from pipellm.model.weights import iter_weights
 from tests.checkpoints import make_tiny_checkpoint
 
 
-@pytest.mark.skipif(not can_prepack(torch.zeros(1)), reason="needs oneDNN on CPU")
-@pytest.mark.parametrize("rows", [1, 5, 16, 300])
+@pytest.mark.parametrize("kernel", ["pipellm", "onednn"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 65, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
+@pytest.mark.parametrize("out_features,in_features", [(96, 40), (100, 600)])
+def test_packed_linear_matches_f_linear(
+    monkeypatch, kernel, rows, with_bias, out_features, in_features
+) -> None:
+    """Both packed layouts; a ragged last panel (100 = 6 * 16 + 4) and, above 64 rows, x taken
+    in 256-deep blocks (600 deep) exercise every branch of pipellm's kernel."""
+    if kernel == "pipellm" and why_unavailable() is not None:
+        pytest.skip(f"CPU kernels unavailable here: {why_unavailable()}")
+    if kernel == "onednn":
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("needs oneDNN")
+        monkeypatch.setattr(linear, "cpu_kernels_available", lambda: False)
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 40, generator=generator)
-    bias = torch.randn(96, generator=generator) if with_bias else None
-    x = torch.randn(rows, 40, generator=generator)
-    torch.testing.assert_close(PackedLinear(weight, bias)(x), F.linear(x, weight, bias))
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(2, rows, in_features, generator=generator)  # leading dims are kept
+    layer = linear.PackedLinear(weight, bias)
+    assert layer.own_kernel == (kernel == "pipellm")
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
 
 
 def test_fused_projections_load_in_any_checkpoint_order(tmp_path) -> None:

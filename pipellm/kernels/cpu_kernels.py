@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("paged_decode_attention.cpp")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_decode_attention.cpp", "packed_linear.cpp")]
 # Head sizes the attention kernel is instantiated for (see attend_for in the source).
 DECODE_ATTENTION_HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128})
 _DISABLE_ENV = "PIPELLM_CPU_KERNELS"

@@ -217,7 +217,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
 
 }  // namespace
 
-TORCH_LIBRARY(pipellm, m) {
+TORCH_LIBRARY_FRAGMENT(pipellm, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()",

@@ -1,15 +1,19 @@
-"""Linear layers whose weights are reordered once into oneDNN's blocked layout (CPU, float32).
+"""Linear layers whose weights are packed once, at load, for a faster CPU GEMM (float32).
 
-At decode sizes (8-16 rows) F.linear (MKL) is far from both the memory and the compute bound
-and barely speeds up with a second thread. With the weight reordered once, oneDNN's kernel
-measured (2 threads, 2-core AVX2 CPU, SmolLM2 shapes): 20-30% faster for the layer
-projections, 2-3x for the 49152-wide lm_head, and the same speed at prefill sizes.
+pipellm's own kernel (pipellm/kernels/packed_linear.cpp) where it builds; otherwise oneDNN's
+blocked layout. Measured on the 2-core AVX2 CPU, SmolLM2 shapes, weights streamed from memory
+as in a real step (docs/performance.md): at decode sizes F.linear (MKL) is far from the memory
+bound; oneDNN's prepacked kernel is 20-30% faster for the layer projections and 2-3x for the
+49152-wide lm_head; pipellm's kernel takes about a third less time again, and is as fast as
+MKL at prefill sizes.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pipellm.kernels.cpu_kernels import cpu_kernels_available
 
 # oneDNN picks the blocked layout for this many rows; measured: any value serves all row counts.
 _PACK_ROWS_HINT = 16
@@ -19,24 +23,35 @@ def can_prepack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
+        and (cpu_kernels_available() or torch.backends.mkldnn.is_available())
     )
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b, with W held only in oneDNN's layout (the plain copy is dropped)."""
+    """y = x W^T + b, with W held only in the packed layout (the plain copy is dropped)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
         self.bias = bias
+        self.own_kernel = cpu_kernels_available()
+        if self.own_kernel:
+            self.packed_weight = torch.ops.pipellm.pack_linear_weight(weight.contiguous())
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if not self.own_kernel:
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_weight, self.bias, "none", [], ""
+            )
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.pipellm.packed_linear(rows, self.packed_weight, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        kind = "pipellm" if self.own_kernel else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 def prepack_linears(module: nn.Module) -> None:

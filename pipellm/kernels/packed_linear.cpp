@@ -1,0 +1,152 @@
+// y = x W^T + b in float32, with W packed once into column panels: the GEMM pipellm's linear
+// layers run on the CPU (AVX2 + FMA) where the kernels build.
+//
+// Why a kernel of our own: a decode step multiplies a few rows by every weight of the model,
+// so it is bound by streaming the weights from memory. oneDNN and MKL reach about half the
+// machine's read bandwidth there (measured, docs/performance.md). Here each thread streams
+// its own contiguous run of panels front to back, prefetching ahead, and applies every row
+// of x to a weight while it is in cache. The same loops, blocked for the caches, serve
+// prefill-sized x as fast as MKL does.
+//
+// Layout: packed[p, k, j] = W[16 p + j, k], zero-padded to a multiple of 16 rows of W.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output columns per panel: two AVX registers
+constexpr int64_t kRows = 6;    // rows of x per register block: 12 accumulators of 16
+// Above kRowsBlock rows, x is taken kRowsBlock rows by kDepthBlock columns at a time, so that
+// its block stays in L2 and a panel's slice in L1 while every row block uses it.
+constexpr int64_t kRowsBlock = 48;
+constexpr int64_t kDepthBlock = 256;
+constexpr int64_t kPrefetchPanels = 2;  // how far ahead the first row block prefetches
+
+// Rows [0, R) of x times one panel over depth [k0, k1), into out (ld = out's row stride).
+// Starts from `init` (bias, or nullptr for zero) when `accumulate` is false, else from out.
+// Named accumulators, not arrays: gcc keeps arrays of __m256 on the stack in this loop.
+#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int R>
+void row_block(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+               float* out, int64_t ld, bool accumulate, const float* init,
+               const float* prefetch) {
+  const __m256 init0 = init ? _mm256_loadu_ps(init) : _mm256_setzero_ps();
+  const __m256 init1 = init ? _mm256_loadu_ps(init + 8) : _mm256_setzero_ps();
+#define DECLARE(i)                                                         \
+  __m256 acc##i##0 = init0, acc##i##1 = init1;                            \
+  if (R > i && accumulate) {                                               \
+    acc##i##0 = _mm256_loadu_ps(out + i * ld);                             \
+    acc##i##1 = _mm256_loadu_ps(out + i * ld + 8);                         \
+  }
+  FOR_ROWS(DECLARE)
+  const float* xk = x + k0;
+  for (int64_t k = k0; k < k1; ++k, ++xk) {
+    const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+#define FMA(i)                                                   \
+  if (R > i) {                                                   \
+    const __m256 xi = _mm256_broadcast_ss(xk + i * ldx);         \
+    acc##i##0 = _mm256_fmadd_ps(xi, w0, acc##i##0);              \
+    acc##i##1 = _mm256_fmadd_ps(xi, w1, acc##i##1);              \
+  }
+    FOR_ROWS(FMA)
+  }
+#define STORE(i)                                         \
+  if (R > i) {                                           \
+    _mm256_storeu_ps(out + i * ld, acc##i##0);           \
+    _mm256_storeu_ps(out + i * ld + 8, acc##i##1);       \
+  }
+  FOR_ROWS(STORE)
+#undef DECLARE
+#undef FMA
+#undef STORE
+}
+
+using RowBlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*,
+                            int64_t, bool, const float*, const float*);
+constexpr RowBlockFn kRowBlock[kRows + 1] = {nullptr,       row_block<1>, row_block<2>,
+                                             row_block<3>,  row_block<4>, row_block<5>,
+                                             row_block<6>};
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "pack_linear_weight: a 2-D float32 CPU weight [out_features, in_features]");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
+              "packed_linear: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+                  packed.size(1) == input.size(1),
+              "packed_linear: weight not packed by pack_linear_weight for this in_features");
+  const int64_t panels = packed.size(0), m = input.size(0), depth = input.size(1);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "packed_linear: out_features does not match the packed weight");
+  const at::Tensor x = input.contiguous();
+  // Bias padded to whole panels, so every panel starts its accumulators from 16 values.
+  at::Tensor padded_bias;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "packed_linear: bias size");
+    padded_bias = at::zeros({panels * kPanel}, x.options());
+    padded_bias.narrow(0, 0, out_features).copy_(bias->reshape({-1}));
+  }
+  const bool ragged = out_features % kPanel != 0;
+  // A ragged last panel is computed into its own buffer and its real columns copied out.
+  at::Tensor out = at::empty({m, out_features}, x.options());
+  at::Tensor tail = ragged ? at::empty({m, kPanel}, x.options()) : at::Tensor();
+  if (m == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* bp = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t rows_block = m <= 64 ? m : kRowsBlock;
+  const int64_t depth_block = m <= 64 ? depth : kDepthBlock;
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t m0 = 0; m0 < m; m0 += rows_block) {
+      const int64_t m1 = std::min(m, m0 + rows_block);
+      for (int64_t k0 = 0; k0 < depth; k0 += depth_block) {
+        const int64_t k1 = std::min(depth, k0 + depth_block);
+        for (int64_t p = first; p < last; ++p) {
+          const float* panel = wp + p * depth * kPanel;
+          const bool is_tail = ragged && p == panels - 1;
+          float* dst = is_tail ? tail.data_ptr<float>() : op + p * kPanel;
+          const int64_t ld = is_tail ? kPanel : out_features;
+          const float* ahead =
+              wp + std::min(p + kPrefetchPanels, panels - 1) * depth * kPanel;
+          for (int64_t r = m0; r < m1; r += kRows) {
+            const int64_t rows = std::min(kRows, m1 - r);
+            kRowBlock[rows](xp + r * depth, depth, panel, k0, k1, dst + r * ld, ld, k0 > 0,
+                            bp ? bp + p * kPanel : nullptr, r == m0 ? ahead : nullptr);
+          }
+        }
+      }
+    }
+  });
+  if (ragged) {
+    const int64_t start = (panels - 1) * kPanel, width = out_features - start;
+    out.narrow(1, start, width).copy_(tail.narrow(1, 0, width));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
+        &packed_linear);
+}
