@@ -13,46 +13,20 @@
 
 #include <immintrin.h>
 
+#include "avx2_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
 
+using pipellm_kernels::exp_avx2;
+using pipellm_kernels::horizontal_max;
+using pipellm_kernels::horizontal_sum;
+
 // Tokens whose key (or value) rows are looked up together and reused by every head of a group.
 constexpr int64_t kChunk = 64;
-
-// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, exp(r) by a degree-6 polynomial
-// (Cephes' coefficients), times 2^n built in the exponent bits. ~1 ulp; underflows to 0.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i pow2n =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
-inline float horizontal_max(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
 
 // out[i] = sum of the lanes of a[i]: eight dot products finished with 7 hadds instead of 24.
 inline __m256 sum_each(const __m256 a[8]) {
@@ -116,7 +90,7 @@ void attend(const float* query, int64_t query_head_stride, int64_t group, const 
     m = _mm256_set1_ps(horizontal_max(m));
     __m256 total = _mm256_setzero_ps();
     for (int64_t t = 0; t < padded; t += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
       _mm256_storeu_ps(s + t, e);
       total = _mm256_add_ps(total, e);
     }

@@ -12,11 +12,11 @@ import zlib
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipellm.model.attention import paged_attention
 from pipellm.model.forward_batch import ForwardBatch
+from pipellm.model.fused_ops import add_rms_norm_, rms_norm, silu_and_mul
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import RotaryEmbedding, apply_rotary
@@ -29,7 +29,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x += residual (in place), returns the norm of the sum."""
+        return add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 class FusedLinear(nn.Linear):
@@ -86,8 +90,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -98,9 +101,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos_sin, kv_cache, batch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it): the next layer
+        (or the stage's end) adds them, fused with the norm that follows the add. The sums
+        are written into the attention and MLP outputs, never into the caller's tensors."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_and_norm(x, residual)
+            residual = x
+        out = self.self_attn(h, cos_sin, kv_cache, batch)
+        h = self.post_attention_layernorm.add_and_norm(out, residual)
+        return self.mlp(h), out
 
 
 class LlamaStage(nn.Module):
@@ -148,9 +167,10 @@ class LlamaStage(nn.Module):
         """inputs: token ids [T] on the first stage, hidden states [T, hidden] after it."""
         x = self.embed_tokens(inputs) if self.is_first else inputs
         cos_sin = self.rope.tables(batch.positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, kv_cache, batch)
-        return x
+            x, residual = layer(x, residual, cos_sin, kv_cache, batch)
+        return x if residual is None else x.add_(residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()

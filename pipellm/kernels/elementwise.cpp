@@ -1,0 +1,124 @@
+// The elementwise steps between a layer's GEMMs, fused: RMSNorm (with the residual add before
+// it) and SiLU(gate) * up. Each is one pass over memory and one parallel region instead of
+// the 3-6 ATen ops (and as many OpenMP fork/joins) PyTorch's CPU path takes: at decode sizes
+// the ops' fixed costs, not their arithmetic, are what these save.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "avx2_math.h"
+
+#include <cmath>
+
+namespace {
+
+using pipellm_kernels::exp_avx2;
+using pipellm_kernels::horizontal_sum;
+
+// Rows per parallel task: enough work (~16k floats) to be worth a thread.
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
+                  t.is_contiguous(),
+              what, ": a contiguous 2-D float32 CPU tensor expected");
+}
+
+// out[i] = x[i] / sqrt(mean(x^2) + eps) * weight[i], one row of `width`.
+void rms_norm_row(const float* x, const float* weight, float eps, int64_t width, float* out) {
+  __m256 squares = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= width; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  float sum = horizontal_sum(squares);
+  for (; i < width; ++i) sum += x[i] * x[i];
+  const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(width) + eps);
+  const __m256 scale = _mm256_set1_ps(inverse);
+  for (i = 0; i + 8 <= width; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), scale),
+                                            _mm256_loadu_ps(weight + i)));
+  for (; i < width; ++i) out[i] = x[i] * inverse * weight[i];
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight size");
+  const int64_t width = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row(xp + r * width, wp, static_cast<float>(eps), width, op + r * width);
+  });
+  return out;
+}
+
+// x += residual (in place: x then carries the residual stream on), returns rms_norm(x).
+at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& residual,
+                         const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm_");
+  check_rows(residual, "add_rms_norm_");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm_: x and residual differ in shape");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm_: weight");
+  const int64_t width = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = xp + r * width;
+      const float* res = rp + r * width;
+      int64_t i = 0;
+      for (; i + 8 <= width; i += 8)
+        _mm256_storeu_ps(row + i, _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(res + i)));
+      for (; i < width; ++i) row[i] += res[i];
+      rms_norm_row(row, wp, static_cast<float>(eps), width, op + r * width);
+    }
+  });
+  return out;
+}
+
+// gate_up: [T, 2 I], gate then up. Returns [T, I]: silu(gate) * up = gate * up / (1 + e^-gate).
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_and_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: odd width");
+  const int64_t width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f);
+  at::parallel_for(0, gate_up.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * 2 * width;
+      const float* up = gate + width;
+      float* row = op + r * width;
+      int64_t i = 0;
+      for (; i + 8 <= width; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 denominator =
+            _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+        _mm256_storeu_ps(row + i,
+                         _mm256_div_ps(_mm256_mul_ps(g, _mm256_loadu_ps(up + i)), denominator));
+      }
+      for (; i < width; ++i) row[i] = gate[i] * up[i] / (1.0f + std::exp(-gate[i]));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor",
+        &add_rms_norm_);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+}

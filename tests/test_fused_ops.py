@@ -1,0 +1,51 @@
+"""Fused RMSNorm / add + RMSNorm / SiLU-and-mul: the kernels and the PyTorch fallback both
+match the plain formulas."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipellm.kernels.cpu_kernels import why_unavailable
+from pipellm.model import fused_ops
+
+
+@pytest.fixture(params=["kernels", "pytorch"])
+def path(request, monkeypatch):
+    if request.param == "kernels" and why_unavailable() is not None:
+        pytest.skip(f"CPU kernels unavailable here: {why_unavailable()}")
+    if request.param == "pytorch":
+        monkeypatch.setattr(fused_ops, "cpu_kernels_available", lambda: False)
+    return request.param
+
+
+# 576: SmolLM2's width; 20: not a multiple of 8 (the scalar tails); 3000 rows: many threads.
+SHAPES = [(1, 576), (16, 576), (3000, 64), (5, 20)]
+
+
+def reference_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_rms_norm(path, rows, width):
+    x, weight = torch.randn(rows, width) * 3, torch.randn(width)
+    got = fused_ops.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, reference_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_add_rms_norm_adds_in_place_and_leaves_the_residual(path, rows, width):
+    x, residual, weight = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)
+    total, residual_before = x + residual, residual.clone()
+    got = fused_ops.add_rms_norm_(x, residual, weight, 1e-6)
+    torch.testing.assert_close(x, total)
+    torch.testing.assert_close(got, reference_norm(total, weight, 1e-6))
+    assert torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+def test_silu_and_mul(path, rows, width):
+    gate_up = torch.randn(rows, 2 * width) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])  # saturated and zero gates
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up)
