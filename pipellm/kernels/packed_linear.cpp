@@ -27,7 +27,7 @@ constexpr int64_t kRows = 6;    // rows of x per register block: 12 accumulators
 // its block stays in L2 and a panel's slice in L1 while every row block uses it.
 constexpr int64_t kRowsBlock = 48;
 constexpr int64_t kDepthBlock = 256;
-constexpr int64_t kPrefetchPanels = 2;  // how far ahead the first row block prefetches
+constexpr int64_t kPrefetchPanels = 4;  // how far ahead the first row block prefetches
 
 // Rows [0, R) of x times one panel over depth [k0, k1), into out (ld = out's row stride).
 // Starts from `init` (bias, or nullptr for zero) when `accumulate` is false, else from out.

@@ -53,6 +53,21 @@ struct CacheView {
       }
     }
   }
+
+  // Asks for tokens [first, first + n) to be brought into cache: the block table hides the
+  // next rows from the hardware prefetcher, which only follows plain strides.
+  void prefetch(int64_t first, int64_t n, int64_t row_floats) const {
+    for (int64_t i = 0, b = first / block_size, o = first % block_size; i < n; ++i) {
+      const char* row = reinterpret_cast<const char*>(base + table[b] * block_stride +
+                                                      o * token_stride);
+      for (int64_t byte = 0; byte < row_floats * 4; byte += 64)
+        _mm_prefetch(row + byte, _MM_HINT_T0);
+      if (++o == block_size) {
+        o = 0;
+        ++b;
+      }
+    }
+  }
 };
 
 // One sequence and KV head: `group` query heads of head_dim 8 * V, `len` cached tokens.
@@ -66,6 +81,7 @@ void attend(const float* query, int64_t query_head_stride, int64_t group, const 
   for (int64_t first = 0; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
     keys.rows(first, n, rows);
+    if (first + n < len) keys.prefetch(first + n, std::min(kChunk, len - first - n), D);
     for (int64_t g = 0; g < group; ++g) {
       __m256 q[V];
       for (int j = 0; j < V; ++j) q[j] = _mm256_loadu_ps(query + g * query_head_stride + j * 8);
@@ -102,6 +118,7 @@ void attend(const float* query, int64_t query_head_stride, int64_t group, const 
   for (int64_t first = 0; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
     values.rows(first, n, rows);
+    if (first + n < len) values.prefetch(first + n, std::min(kChunk, len - first - n), D);
     for (int64_t g = 0; g < group; ++g) {
       __m256 acc[V];
       for (int j = 0; j < V; ++j) acc[j] = _mm256_loadu_ps(out + g * D + j * 8);
