@@ -30,8 +30,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     from pipellm import LLM, SamplingParams
 
-    torch.set_num_threads(args.threads)
     llm = LLM(None, max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+    torch.set_num_threads(args.threads)  # after LLM(), which sets its own count
     generator = torch.Generator().manual_seed(args.seed)
 
     def prompts() -> list[list[int]]:

@@ -27,6 +27,9 @@ DTYPES = {
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 BACKENDS = ("uni", "mp", "ray", "sim")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
+# Where the model, its KV cache and the sampler run. Only the CPU path is built so far, so a
+# machine with a GPU runs pipellm on its CPU too: float32 by default, gloo between stages.
+DEVICE = "cpu"
 
 
 class ConfigError(ValueError):
@@ -169,7 +172,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+            return torch.bfloat16 if DEVICE == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
     @property

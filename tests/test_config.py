@@ -103,3 +103,13 @@ def test_cli_defaults_are_the_engine_config_defaults():
             assert args[field.name] == field.default, field.name
             checked += 1
     assert checked > 15
+
+
+def test_a_visible_gpu_does_not_change_the_cpu_defaults(tiny, monkeypatch):
+    # pipellm runs on the CPU only so far: a GPU in the machine must not make "auto" pick
+    # bfloat16 for CPU tensors (the CPU kernels are float32) or nccl for CPU transfers.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = EngineConfig(model=str(tiny))
+    assert config.torch_dtype == torch.float32

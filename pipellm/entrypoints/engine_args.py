@@ -104,11 +104,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Builds and validates the config; reports flags that do nothing on this device."""
-    from pipellm.config import EngineConfig  # NOTE: here, so `bench serve` needs no torch
+    from pipellm.config import DEVICE, EngineConfig  # NOTE: here: `bench serve` needs no torch
 
     names = EngineConfig.field_names()
     config = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
-    if not _has_cuda():
+    if DEVICE != "cuda":
         if args.max_cudagraph_capture_size is not None:
             logger.warning("--max-cudagraph-capture-size has no effect on CPU; ignored")
         if args.gpu_memory_utilization != 0.9:
@@ -116,9 +116,3 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.trust_remote_code:
         logger.warning("--trust-remote-code accepted; pipellm never runs code from a model folder")
     return config
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -13,7 +13,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from pipellm.config import EngineConfig
+from pipellm.config import DEVICE, EngineConfig
 from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.worker.worker import StageWorker
 
@@ -27,7 +27,7 @@ class PipelineStage:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.rank, self.num_stages = rank, config.pipeline_parallel_size
         self.is_first, self.is_last = rank == 0, rank == self.num_stages - 1
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if DEVICE == "cuda" else "gloo"
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
