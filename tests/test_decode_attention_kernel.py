@@ -133,3 +133,19 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch):
     without = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125)
     torch.testing.assert_close(with_kernel, without)
     torch.testing.assert_close(caches[0], k_cache, rtol=0, atol=0)
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
+    from pipellm.kernels import cpu_kernels
+
+    def broken_build():
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(cpu_kernels, "why_unavailable", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_load", broken_build)
+    cpu_kernels.cpu_kernels_available.cache_clear()
+    try:
+        assert not cpu_kernels.cpu_kernels_available()
+        assert "compiler exploded" in caplog.text and "WARNING" in caplog.text.upper()
+    finally:
+        cpu_kernels.cpu_kernels_available.cache_clear()

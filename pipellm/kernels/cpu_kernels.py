@@ -47,14 +47,17 @@ def why_unavailable() -> str | None:
 def cpu_kernels_available() -> bool:
     """Builds (or loads the cached build of) the kernels; False, logged once, where it can't."""
     reason = why_unavailable()
-    if reason is None:
-        try:
-            _load()
-            return True
-        except Exception as error:  # a failed build must not stop the engine: fall back
-            reason = f"the build failed: {error}"
-    logger.info("pipellm CPU kernels not used (%s); using the PyTorch path", reason)
-    return False
+    if reason is not None:
+        logger.info("pipellm CPU kernels not used (%s); using the PyTorch path", reason)
+        return False
+    try:
+        _load()
+        return True
+    except Exception as error:  # a failed build must not stop the engine: fall back
+        logger.warning(
+            "pipellm CPU kernels failed to build (%s); using the slower PyTorch path", error
+        )
+        return False
 
 
 def _load() -> None:
