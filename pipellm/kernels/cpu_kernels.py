@@ -22,7 +22,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_FILES = ("paged_decode_attention.cpp", "packed_linear.cpp", "elementwise.cpp")
+_FILES = (
+    "paged_decode_attention.cpp",
+    "prefill_attention.cpp",
+    "packed_linear.cpp",
+    "elementwise.cpp",
+)
 SOURCES = [Path(__file__).with_name(name) for name in _FILES]
 # Head sizes the attention kernel is instantiated for (see attend_for in the source).
 DECODE_ATTENTION_HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128})

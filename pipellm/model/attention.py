@@ -33,6 +33,15 @@ def decode_kernel_applies(q: torch.Tensor) -> bool:
     )
 
 
+def prefill_kernel_applies(q: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and q.shape[-1] % 16 == 0
+        and cpu_kernels_available()
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -75,6 +84,9 @@ def paged_attention(
         ).squeeze(2)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
+        if chunk.block_table is None and prefill_kernel_applies(q):
+            torch.ops.pipellm.prefill_attention(out[rows], q[rows], k[rows], v[rows], scale)
+            continue
         if chunk.block_table is None:  # nothing cached before: attend to the fresh keys
             keys, values, mask = k[rows], v[rows], None
         else:

@@ -1,0 +1,63 @@
+// The register-blocked GEMM step shared by pipellm's CPU kernels (AVX2 + FMA, float32):
+// up to 6 rows of x times one packed panel of 16 columns.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace pipellm_kernels {
+
+constexpr int64_t kPanel = 16;  // output columns per panel: two AVX registers
+constexpr int64_t kRows = 6;    // rows of x per register block: 12 accumulators of 16
+
+// Rows [0, R) of x times one panel over depth [k0, k1), into out (ld = out's row stride).
+// Starts from `init` (bias, or nullptr for zero) when `accumulate` is false, else from out.
+// Named accumulators, not arrays: gcc keeps arrays of __m256 on the stack in this loop.
+#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int R>
+void row_block(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+               float* out, int64_t ld, bool accumulate, const float* init,
+               const float* prefetch) {
+  const __m256 init0 = init ? _mm256_loadu_ps(init) : _mm256_setzero_ps();
+  const __m256 init1 = init ? _mm256_loadu_ps(init + 8) : _mm256_setzero_ps();
+#define DECLARE(i)                                                         \
+  __m256 acc##i##0 = init0, acc##i##1 = init1;                            \
+  if (R > i && accumulate) {                                               \
+    acc##i##0 = _mm256_loadu_ps(out + i * ld);                             \
+    acc##i##1 = _mm256_loadu_ps(out + i * ld + 8);                         \
+  }
+  FOR_ROWS(DECLARE)
+  const float* xk = x + k0;
+  for (int64_t k = k0; k < k1; ++k, ++xk) {
+    const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+#define FMA(i)                                                   \
+  if (R > i) {                                                   \
+    const __m256 xi = _mm256_broadcast_ss(xk + i * ldx);         \
+    acc##i##0 = _mm256_fmadd_ps(xi, w0, acc##i##0);              \
+    acc##i##1 = _mm256_fmadd_ps(xi, w1, acc##i##1);              \
+  }
+    FOR_ROWS(FMA)
+  }
+#define STORE(i)                                         \
+  if (R > i) {                                           \
+    _mm256_storeu_ps(out + i * ld, acc##i##0);           \
+    _mm256_storeu_ps(out + i * ld + 8, acc##i##1);       \
+  }
+  FOR_ROWS(STORE)
+#undef DECLARE
+#undef FMA
+#undef STORE
+}
+
+#undef FOR_ROWS
+
+using RowBlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*,
+                            int64_t, bool, const float*, const float*);
+inline constexpr RowBlockFn kRowBlock[kRows + 1] = {nullptr,       row_block<1>, row_block<2>,
+                                             row_block<3>,  row_block<4>, row_block<5>,
+                                             row_block<6>};
+
+}  // namespace pipellm_kernels
