@@ -129,7 +129,7 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch):
     k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
     caches = (k_cache.clone(), v_cache.clone())
     with_kernel = attention.paged_attention(q, k, v, *caches, batch, 0.125)
-    monkeypatch.setattr(attention, "cpu_kernels_available", lambda: False)
+    monkeypatch.setattr(attention, "kernels_apply", lambda x: False)
     without = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125)
     torch.testing.assert_close(with_kernel, without)
     torch.testing.assert_close(caches[0], k_cache, rtol=0, atol=0)

@@ -3,6 +3,10 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
 namespace pipellm_kernels {
 
 // exp(x), float32: x = n ln2 + r, exp(r) by a degree-6 polynomial (Cephes' coefficients),
@@ -41,6 +45,34 @@ inline float horizontal_max(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// Softmax of scores[0, valid) * scale in place; [valid, padded) set to 0.
+inline void masked_softmax(float* scores, int64_t valid, int64_t padded, float scale) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= valid; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(scores + t));
+  float max = horizontal_max(m);
+  for (; t < valid; ++t) max = std::max(max, scores[t]);
+  const __m256 shift = _mm256_set1_ps(max * scale);
+  __m256 total = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= valid; t += 8) {
+    const __m256 e = exp_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(scores + t), sc, shift));
+    _mm256_storeu_ps(scores + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = horizontal_sum(total);
+  for (; t < valid; ++t) {
+    scores[t] = std::exp(scores[t] * scale - max * scale);
+    sum += scores[t];
+  }
+  const float inverse = 1.0f / sum;
+  const __m256 inv = _mm256_set1_ps(inverse);
+  for (t = 0; t + 8 <= valid; t += 8)
+    _mm256_storeu_ps(scores + t, _mm256_mul_ps(_mm256_loadu_ps(scores + t), inv));
+  for (; t < valid; ++t) scores[t] *= inverse;
+  std::fill(scores + valid, scores + padded, 0.0f);
 }
 
 }  // namespace pipellm_kernels

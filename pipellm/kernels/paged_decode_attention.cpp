@@ -21,9 +21,7 @@
 
 namespace {
 
-using pipellm_kernels::exp_avx2;
-using pipellm_kernels::horizontal_max;
-using pipellm_kernels::horizontal_sum;
+using pipellm_kernels::masked_softmax;
 
 // Tokens whose key (or value) rows are looked up together and reused by every head of a group.
 constexpr int64_t kChunk = 64;
@@ -57,16 +55,11 @@ struct CacheView {
   // Asks for tokens [first, first + n) to be brought into cache: the block table hides the
   // next rows from the hardware prefetcher, which only follows plain strides.
   void prefetch(int64_t first, int64_t n, int64_t row_floats) const {
-    for (int64_t i = 0, b = first / block_size, o = first % block_size; i < n; ++i) {
-      const char* row = reinterpret_cast<const char*>(base + table[b] * block_stride +
-                                                      o * token_stride);
+    const float* ahead[kChunk];
+    rows(first, n, ahead);
+    for (int64_t i = 0; i < n; ++i)
       for (int64_t byte = 0; byte < row_floats * 4; byte += 64)
-        _mm_prefetch(row + byte, _MM_HINT_T0);
-      if (++o == block_size) {
-        o = 0;
-        ++b;
-      }
-    }
+        _mm_prefetch(reinterpret_cast<const char*>(ahead[i]) + byte, _MM_HINT_T0);
   }
 };
 
@@ -93,26 +86,12 @@ void attend(const float* query, int64_t query_head_stride, int64_t group, const 
           for (int j = 1; j < V; ++j) acc = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(k + j * 8), acc);
           dots[u] = acc;
         }
-        _mm256_storeu_ps(scores + g * padded + first + i,
-                         _mm256_mul_ps(sum_each(dots), _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(scores + g * padded + first + i, sum_each(dots));
       }
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * padded;
-    std::fill(s + len, s + padded, -INFINITY);
-    __m256 m = _mm256_loadu_ps(s);
-    for (int64_t t = 8; t < padded; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
-    m = _mm256_set1_ps(horizontal_max(m));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 8) {
-      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
-      _mm256_storeu_ps(s + t, e);
-      total = _mm256_add_ps(total, e);
-    }
-    const __m256 inverse = _mm256_set1_ps(1.0f / horizontal_sum(total));
-    for (int64_t t = 0; t < padded; t += 8)
-      _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inverse));
+    masked_softmax(scores + g * padded, len, padded, scale);
     std::fill(out + g * D, out + (g + 1) * D, 0.0f);
   }
   for (int64_t first = 0; first < len; first += kChunk) {

@@ -16,46 +16,15 @@
 #include "gemm_microkernel.h"
 
 #include <algorithm>
-#include <cmath>
 
 namespace {
 
-using pipellm_kernels::exp_avx2;
-using pipellm_kernels::horizontal_max;
-using pipellm_kernels::horizontal_sum;
+using pipellm_kernels::masked_softmax;
 using pipellm_kernels::kPanel;
 using pipellm_kernels::kRowBlock;
 using pipellm_kernels::kRows;
 
 constexpr int64_t kQueryBlock = 64;
-
-// Softmax of scores[0, valid) * scale in place; [valid, padded) set to 0.
-void masked_softmax(float* scores, int64_t valid, int64_t padded, float scale) {
-  const __m256 sc = _mm256_set1_ps(scale);
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  int64_t t = 0;
-  for (; t + 8 <= valid; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(scores + t));
-  float max = horizontal_max(m);
-  for (; t < valid; ++t) max = std::max(max, scores[t]);
-  const __m256 shift = _mm256_set1_ps(max * scale);
-  __m256 total = _mm256_setzero_ps();
-  for (t = 0; t + 8 <= valid; t += 8) {
-    const __m256 e = exp_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(scores + t), sc, shift));
-    _mm256_storeu_ps(scores + t, e);
-    total = _mm256_add_ps(total, e);
-  }
-  float sum = horizontal_sum(total);
-  for (; t < valid; ++t) {
-    scores[t] = std::exp(scores[t] * scale - max * scale);
-    sum += scores[t];
-  }
-  const float inverse = 1.0f / sum;
-  const __m256 inv = _mm256_set1_ps(inverse);
-  for (t = 0; t + 8 <= valid; t += 8)
-    _mm256_storeu_ps(scores + t, _mm256_mul_ps(_mm256_loadu_ps(scores + t), inv));
-  for (; t < valid; ++t) scores[t] *= inverse;
-  std::fill(scores + valid, scores + padded, 0.0f);
-}
 
 // out, q: [L, H, D]; k, v: [L, Hkv, D]; last dims contiguous, other strides free. Causal.
 void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipellm.kernels.cpu_kernels import DECODE_ATTENTION_HEAD_DIMS, cpu_kernels_available
+from pipellm.kernels.cpu_kernels import DECODE_ATTENTION_HEAD_DIMS, kernels_apply
 from pipellm.model.forward_batch import ForwardBatch
 
 
@@ -22,24 +22,6 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     num_blocks, block_size, num_heads, head_dim = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
     return rows.view(*block_tables.shape[:-1], -1, num_heads, head_dim)
-
-
-def decode_kernel_applies(q: torch.Tensor) -> bool:
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS
-        and cpu_kernels_available()
-    )
-
-
-def prefill_kernel_applies(q: torch.Tensor) -> bool:
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and q.shape[-1] % 16 == 0
-        and cpu_kernels_available()
-    )
 
 
 def paged_attention(
@@ -62,7 +44,7 @@ def paged_attention(
     out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     gqa = q.shape[1] != num_heads
     nd = batch.num_decodes
-    if nd and decode_kernel_applies(q):
+    if nd and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS and kernels_apply(q):
         torch.ops.pipellm.paged_decode_attention(
             out[:nd],
             q[:nd],
@@ -84,7 +66,8 @@ def paged_attention(
         ).squeeze(2)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
-        if chunk.block_table is None and prefill_kernel_applies(q):
+        # The prompt kernel's GEMM step works on 16-wide panels of the head dimension.
+        if chunk.block_table is None and q.shape[-1] % 16 == 0 and kernels_apply(q):
             torch.ops.pipellm.prefill_attention(out[rows], q[rows], k[rows], v[rows], scale)
             continue
         if chunk.block_table is None:  # nothing cached before: attend to the fresh keys

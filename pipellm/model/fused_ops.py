@@ -6,15 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipellm.kernels.cpu_kernels import cpu_kernels_available
-
-
-def _fused(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels_available()
+from pipellm.kernels.cpu_kernels import kernels_apply
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fused(x) and x.dim() == 2:
+    if kernels_apply(x) and x.dim() == 2:
         return torch.ops.pipellm.rms_norm(x.contiguous(), weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -24,7 +20,7 @@ def add_rms_norm_(
 ) -> torch.Tensor:
     """x += residual, in place (x carries the residual stream from here), and returns
     rms_norm(x). x must be a fresh tensor of the caller's, e.g. a projection's output."""
-    if _fused(x) and x.dim() == 2 and x.is_contiguous():
+    if kernels_apply(x) and x.dim() == 2 and x.is_contiguous():
         return torch.ops.pipellm.add_rms_norm_(x, residual.contiguous(), weight, eps)
     x.add_(residual)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -32,7 +28,7 @@ def add_rms_norm_(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [..., 2 I], gate then up. Returns silu(gate) * up, [..., I]."""
-    if _fused(gate_up) and gate_up.dim() == 2:
+    if kernels_apply(gate_up) and gate_up.dim() == 2:
         return torch.ops.pipellm.silu_and_mul(gate_up.contiguous())
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
