@@ -26,6 +26,7 @@ _FILES = (
     "paged_decode_attention.cpp",
     "prefill_attention.cpp",
     "packed_linear.cpp",
+    "rotary_and_cache.cpp",
     "elementwise.cpp",
 )
 SOURCES = [Path(__file__).with_name(name) for name in _FILES]

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: one call for all decodes, one SDPA call per prefill.
+"""Attention over the paged KV cache: one call for all decodes, one SDPA call per prefill;
+and, before it, RoPE and the cache writes of the step's new keys and values.
 
 Each layer's cache is a pair of [num_blocks, block_size, kv_heads, head_dim] tensors. Decodes
 use pipellm's own kernel, which reads the cache in place (pipellm/kernels/), where it is built;
@@ -14,6 +15,36 @@ import torch.nn.functional as F
 
 from pipellm.kernels.cpu_kernels import DECODE_ATTENTION_HEAD_DIMS, kernels_apply
 from pipellm.model.forward_batch import ForwardBatch
+from pipellm.model.rope import apply_rotary
+
+
+def rotate_and_cache(
+    qkv: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv: [T, H + 2 Hkv, D], the fused projection's output. Applies RoPE to the query and key
+    heads, writes the keys and values into their cache slots, and returns q, k, v.
+
+    pipellm's kernel does it in one pass, in place, with the same rounding as the PyTorch ops
+    below (one rotary call for the query and key heads together: they share the positions).
+    """
+    sizes = [num_heads, num_kv_heads, num_kv_heads]
+    if kernels_apply(qkv) and qkv.is_contiguous():
+        torch.ops.pipellm.rotary_and_cache_(
+            qkv, *cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+        )
+        return qkv.split(sizes, dim=1)
+    q, k = apply_rotary(qkv[:, : num_heads + num_kv_heads], *cos_sin).split(sizes[:2], dim=1)
+    v = qkv[:, num_heads + num_kv_heads :]
+    head_dim = qkv.shape[-1]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    return q, k, v
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -33,14 +64,11 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H, D].
-
-    The new keys and values are written into their cache slots first, so decodes and
-    continued prefills read their whole context from the cache without a concatenation.
+    """q: [T, H, D]; k, v: [T, Hkv, D], already written into their cache slots (see
+    rotate_and_cache), so decodes and continued prefills read their whole context from the
+    cache without a concatenation. Returns [T, H, D].
     """
-    num_heads, head_dim = k.shape[1:]
-    k_cache.view(-1, num_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-    v_cache.view(-1, num_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    num_heads = k.shape[1]
     out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     gqa = q.shape[1] != num_heads
     nd = batch.num_decodes

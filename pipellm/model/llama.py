@@ -14,12 +14,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pipellm.model.attention import paged_attention
+from pipellm.model.attention import paged_attention, rotate_and_cache
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.model.fused_ops import add_rms_norm_, rms_norm, silu_and_mul
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
-from pipellm.model.rope import RotaryEmbedding, apply_rotary
+from pipellm.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -73,11 +73,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, -1, self.head_dim)
-        # One rotary call for the query and key heads together: they share the positions.
-        q, k = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], *cos_sin).split(
-            [self.num_heads, self.num_kv_heads], dim=1
+        q, k, v = rotate_and_cache(
+            qkv, cos_sin, *kv_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads
         )
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
         out = paged_attention(q, k, v, *kv_cache, batch, self.scale)
         return self.o_proj(out.view(t, -1))
 
