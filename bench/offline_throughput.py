@@ -6,17 +6,23 @@ mixed lengths (each drawn uniformly in [floor(L(1-r)), ceil(L(1+r))] with r = --
 transformers gets a left-padded batch and must run every row to the longest output; throughput
 counts only the tokens asked for, so both engines are credited the same work.
 
-The engines alternate run by run (A B A B ...) and the report gives medians, so a burst of
+The engines take turns run by run (A B C, B C A, ...) and the report gives medians, so a burst of
 load on this shared machine hurts both sides alike. Each repetition draws fresh prompts of the
 same lengths, so pipellm's prefix cache never turns a repeat into a cache hit.
 
     .venv/bin/python bench/offline_throughput.py                  # 1 and 2 threads, 3 repeats
     .venv/bin/python bench/offline_throughput.py --threads 2 --repeats 1 --num-prompts 4
+    .venv/bin/python bench/offline_throughput.py --threads 2 --quantization gguf none
+
+The built-in model is a GGUF file: by default pipellm computes on its Q4_1/Q8_0 weights as
+stored (bit-identical results, see pipellm/model/gguf_linear.py); `--quantization none` runs
+the float32 weights transformers gets, and several settings run side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -144,19 +150,30 @@ def main() -> None:
     parser.add_argument(
         "--workloads", nargs="+", choices=("equal", "mixed"), default=["equal", "mixed"]
     )
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        choices=("auto", "gguf", "none"),
+        default=["auto"],
+        help="pipellm's quantization setting(s); several run side by side, e.g. gguf none",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores: above ~0.5 means noise)")
-    llm = LLM(args.model)
+    llms = {}
+    for setting in args.quantization:
+        llm = LLM(args.model, quantization=None if setting == "auto" else setting)
+        llms[f"pipellm ({llm.config.quantization})"] = llm
+    llm = next(iter(llms.values()))
     vocab = llm.config.model_config.vocab_size
     model = load_transformers_model(llm)
     warmup = make_workload(argparse.Namespace(**{**vars(args), "num_prompts": 2}), vocab, True, -1)
     cache = pick_transformers_cache(model, warmup)
-    engines = {
-        "pipellm": lambda w: run_pipellm(llm, w),
-        "transformers": lambda w: run_transformers(model, w, cache),
+    engines: dict[str, Callable[[Workload], list[list[int]]]] = {
+        name: functools.partial(run_pipellm, each) for name, each in llms.items()
     }
+    engines["transformers"] = lambda w: run_transformers(model, w, cache)
 
     rows = []
     for threads in args.threads:
@@ -165,26 +182,24 @@ def main() -> None:
             run(warmup)
         for name in args.workloads:
             times: dict[str, list[float]] = {engine: [] for engine in engines}
-            matches = []
+            matches: dict[str, list[float]] = {engine: [] for engine in llms}
             for rep in range(args.repeats):
                 workload = make_workload(args, vocab, name == "mixed", rep)
-                # Alternate which engine goes first, so neither always runs on a warmer machine.
-                order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+                # Rotate which engine goes first, so none always runs on a warmer machine.
+                order = list(engines)[rep % len(engines) :] + list(engines)[: rep % len(engines)]
                 tokens = {}
                 for engine in order:
                     seconds, tokens[engine] = timed(engines[engine], workload)
                     times[engine].append(seconds)
-                    print(f"  {threads}t {name} rep {rep} {engine:12s} {seconds:7.2f} s")
-                matches.append(
-                    sum(
-                        a == b
-                        for a, b in zip(tokens["pipellm"], tokens["transformers"], strict=True)
+                    print(f"  {threads}t {name} rep {rep} {engine:18s} {seconds:7.2f} s")
+                for engine in llms:
+                    same = sum(
+                        a == b for a, b in zip(tokens[engine], tokens["transformers"], strict=True)
                     )
-                    / len(workload.prompts)
-                )
+                    matches[engine].append(same / len(workload.prompts))
             out_tokens = workload.num_output_tokens
             medians = {engine: statistics.median(t) for engine, t in times.items()}
-            rows.append((threads, name, out_tokens, medians, statistics.mean(matches)))
+            rows.append((threads, name, out_tokens, medians, matches))
 
     print(f"\ntransformers {transformers.__version__} ({cache} cache), torch {torch.__version__}")
     print(
@@ -192,17 +207,20 @@ def main() -> None:
         f"mixed range ratio {args.range_ratio}, medians of {args.repeats}"
     )
     print(
-        f"{'threads':>7} {'workload':>8} {'pipellm tok/s':>14} {'transformers tok/s':>19} "
+        f"{'threads':>7} {'workload':>8} {'engine':>18} {'tok/s':>7} {'transformers tok/s':>19} "
         f"{'ratio':>6} {'same tokens':>12}"
     )
-    for threads, name, out_tokens, medians, match in rows:
-        ours, theirs = out_tokens / medians["pipellm"], out_tokens / medians["transformers"]
-        print(
-            f"{threads:>7} {name:>8} {ours:>14.1f} {theirs:>19.1f} "
-            f"{ours / theirs:>5.2f}x {match:>11.0%}"
-        )
+    for threads, name, out_tokens, medians, matches in rows:
+        theirs = out_tokens / medians["transformers"]
+        for engine in llms:
+            ours = out_tokens / medians[engine]
+            print(
+                f"{threads:>7} {name:>8} {engine:>18} {ours:>7.1f} {theirs:>19.1f} "
+                f"{ours / theirs:>5.2f}x {statistics.mean(matches[engine]):>11.0%}"
+            )
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
-    llm.shutdown()
+    for each in llms.values():
+        each.shutdown()
 
 
 if __name__ == "__main__":

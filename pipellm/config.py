@@ -25,6 +25,7 @@ DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = ("gguf", "none")
 BACKENDS = ("uni", "mp", "ray", "sim")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
 # Where the model, its KV cache and the sampler run. Only the CPU path is built so far, so a
@@ -46,6 +47,10 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"  # auto = float32 on CPU (bf16 is slower without AMX), bfloat16 on GPU
     load_format: str = "auto"
+    # gguf: linear layers compute on a GGUF file's Q4_1/Q8_0 weights as stored (exactly the
+    # same results, a 5x smaller weight stream); none: dequantize every weight to `dtype`.
+    # None (auto): gguf for a GGUF model run in float32, else none.
+    quantization: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -89,6 +94,8 @@ class EngineConfig:
             _fail("dtype", self.dtype, f"use one of auto, {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             _fail("load_format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            _fail("quantization", self.quantization, "use gguf, none, or leave it unset (auto)")
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             _fail("kv_cache_dtype", self.kv_cache_dtype, f"use auto or one of {', '.join(DTYPES)}")
         if self.distributed_executor_backend is None:
@@ -123,7 +130,19 @@ class EngineConfig:
                 "load_format", self.load_format, f"{self.source.path} is {kinds[self.source.kind]}"
             )
         self.model_config = load_model_config(self.source)
+        self._resolve_quantization()
         self._check_against_model()
+
+    def _resolve_quantization(self) -> None:
+        """Turns auto into gguf or none; gguf needs GGUF weights and float32 compute."""
+        has_gguf_weights = self.source.kind == "gguf" and self.load_format != "dummy"
+        if self.quantization is None:
+            use = has_gguf_weights and self.torch_dtype == torch.float32
+            self.quantization = "gguf" if use else "none"
+        elif self.quantization == "gguf" and not has_gguf_weights:
+            _fail("quantization", "gguf", "it needs a .gguf model (and not load_format=dummy)")
+        elif self.quantization == "gguf" and self.torch_dtype != torch.float32:
+            _fail("quantization", "gguf", f"its kernel computes in float32, not {self.dtype}")
 
     def _check_against_model(self) -> None:
         context = self.model_config.max_position_embeddings

@@ -37,12 +37,23 @@ def tiny(tmp_path_factory):
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "without chunked"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5"),
         (dict(pp_microbatch_tokens=0), "pp_microbatch_tokens=0"),
+        (dict(quantization="awq"), "quantization='awq'"),
+        (dict(quantization="gguf"), "needs a .gguf model"),
     ],
 )
 def test_bad_settings_are_named(tiny, settings, message):
     with pytest.raises(ConfigError, match="invalid setting") as error:
         EngineConfig(model=tiny, **settings)
     assert message in str(error.value)
+
+
+def test_quantization_auto_keeps_gguf_weights_only_for_float32_gguf_models(tiny):
+    assert EngineConfig(model=tiny).quantization == "none"
+    assert EngineConfig().quantization == "gguf"  # the built-in GGUF model
+    assert EngineConfig(dtype="bfloat16").quantization == "none"
+    assert EngineConfig(quantization="none").quantization == "none"
+    with pytest.raises(ConfigError, match="computes in float32"):
+        EngineConfig(quantization="gguf", dtype="bfloat16")
 
 
 def test_unsupported_rope_scaling_fails_before_any_process_starts(tmp_path):

@@ -3,6 +3,9 @@
 import pytest
 
 from pipellm import LLM, SamplingParams
+from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.model.gguf_linear import QuantizedLinear
+from pipellm.model.linear import PackedLinear
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [
@@ -33,3 +36,22 @@ def test_two_stages_give_the_same_tokens(single_stage, reaped):
             answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))
         assert got == expected
         assert "Paris" in answer[0].outputs[0].text
+
+
+def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
+    """By default the Q4_1/Q8_0 weights stay quantized (model/gguf_linear.py); the results are
+    those of the float32 weights, to the last bit of every logprob."""
+    model = single_stage.engine.executor.worker.model
+    if not cpu_kernels_available():
+        pytest.skip("CPU kernels unavailable: the float32 path runs")
+    assert single_stage.config.quantization == "gguf"
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    assert isinstance(model.lm_head, QuantizedLinear)  # the tied Q8_0 embedding
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    quantized = single_stage.generate(PROMPTS, params)
+    with LLM(quantization="none") as llm:
+        assert isinstance(llm.engine.executor.worker.model.lm_head, PackedLinear)
+        dequantized = llm.generate(PROMPTS, params)
+    for a, b in zip(quantized, dequantized, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

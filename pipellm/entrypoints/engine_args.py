@@ -24,6 +24,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "safetensors", "gguf", "dummy"],
         help="dummy: seeded random weights of the model's shape",
     )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        choices=["gguf", "none"],
+        help="gguf: compute on a GGUF model's Q4_1/Q8_0 weights as stored (same results, "
+        "faster decode); none: dequantize them to --dtype (default: gguf for GGUF models)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of sampling and dummy weights")
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")

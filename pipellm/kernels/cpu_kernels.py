@@ -26,6 +26,7 @@ _FILES = (
     "paged_decode_attention.cpp",
     "prefill_attention.cpp",
     "packed_linear.cpp",
+    "quantized_linear.cpp",
     "rotary_and_cache.cpp",
     "elementwise.cpp",
 )

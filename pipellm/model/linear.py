@@ -10,10 +10,13 @@ MKL at prefill sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.model.gguf_linear import QuantizedLinear, QuantizedWeight
 
 # oneDNN picks the blocked layout for this many rows; measured: any value serves all row counts.
 _PACK_ROWS_HINT = 16
@@ -54,11 +57,23 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
-def prepack_linears(module: nn.Module) -> None:
-    """Replaces every nn.Linear below `module` by a PackedLinear, where the CPU allows."""
+def prepack_linears(
+    module: nn.Module,
+    quantized_weight: Callable[[str], QuantizedWeight | None] = lambda name: None,
+    prefix: str = "",
+) -> None:
+    """Replaces every nn.Linear below `module` by a QuantizedLinear where `quantized_weight`
+    (given the linear's qualified name) has its GGUF weight, else by a PackedLinear, where
+    the CPU allows."""
     for name, child in module.named_children():
+        qualified = prefix + name
         if isinstance(child, nn.Linear):
-            if can_prepack(child.weight):
+            if not can_prepack(child.weight):
+                continue
+            quantized = quantized_weight(qualified) if cpu_kernels_available() else None
+            if quantized is not None:
+                setattr(module, name, QuantizedLinear(quantized, child.bias))
+            else:
                 setattr(module, name, PackedLinear(child.weight.detach(), child.bias))
         else:
-            prepack_linears(child)
+            prepack_linears(child, quantized_weight, qualified + ".")

@@ -17,6 +17,7 @@ from torch import nn
 from pipellm.model.attention import paged_attention, rotate_and_cache
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.model.fused_ops import add_rms_norm_, rms_norm, silu_and_mul
+from pipellm.model.gguf_linear import QuantizedWeight, stack_rows
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import RotaryEmbedding
@@ -173,16 +174,30 @@ class LlamaStage(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
 
-    def prepare_for_inference(self, prepack: bool) -> None:
+    def prepare_for_inference(
+        self, prepack: bool, quantized: dict[str, QuantizedWeight] | None = None
+    ) -> None:
         """Ties lm_head to the embedding where the config says so, and, with `prepack`,
-        reorders every linear weight for the CPU's GEMM library (see model/linear.py). A tied
-        lm_head then gets its own packed copy of the embedding: it is the largest GEMM."""
+        reorders every linear weight for the CPU's GEMM (see model/linear.py), or, for the
+        linears whose checkpoint tensors `quantized` holds (by Hugging Face name), computes on
+        those GGUF bytes (model/gguf_linear.py). A tied lm_head gets its own packed copy of
+        the embedding: it is the largest GEMM."""
         if self.is_last and self.lm_head is None:
             hidden, vocab = self.config.hidden_size, self.config.vocab_size
             self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
-        if prepack:
-            prepack_linears(self)
+        if not prepack:
+            return
+        quantized = quantized or {}
+
+        def quantized_weight(module_name: str) -> QuantizedWeight | None:
+            shards = self.checkpoint_shards(f"{module_name}.weight")
+            if module_name == "lm_head" and self.config.tie_word_embeddings:
+                shards = [("model.embed_tokens.weight", self.config.vocab_size)]
+            parts = [quantized.get(name) for name, _ in shards]
+            return None if None in parts else stack_rows(parts)
+
+        prepack_linears(self, quantized_weight)
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from pipellm.model.gguf_file import open_gguf
+from pipellm.model.gguf_linear import KERNEL_KINDS, QuantizedWeight
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.source import ModelSource
 
@@ -134,22 +135,53 @@ def _safetensors_file_map(folder: Path) -> dict[str, Path]:
     return file_of
 
 
-def _iter_gguf(path: Path, stage: _Stage, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_quantized_weights(
+    source: ModelSource,
+    config: ModelConfig,
+    layer_start: int,
+    layer_end: int,
+    is_first: bool,
+    is_last: bool,
+) -> Iterator[tuple[str, QuantizedWeight]]:
+    """Like iter_weights, but only the GGUF matrices pipellm's quantized kernel takes, in their
+    file bytes (rows in Hugging Face order); nothing for a safetensors checkpoint."""
+    if source.kind != "gguf":
+        return
+    stage = _Stage(config, layer_start, layer_end, is_first, is_last)
+    tensors = _gguf_tensors(source.path)
+    for name in stage.weight_names(tensors):
+        tensor = tensors.get(name)
+        if tensor is not None and tensor.tensor_type in KERNEL_KINDS and len(tensor.shape) == 2:
+            blocks = torch.from_numpy(tensor.data.copy())  # [rows, bytes]: own it, off the map
+            yield name, QuantizedWeight(tensor.tensor_type, _hf_rows(name, blocks, config))
+
+
+def _gguf_tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
+    """The file's tensors by Hugging Face name (those the model uses)."""
     tensors = {}
     for tensor in open_gguf(path).tensors:
         hf_name = _hf_name(tensor.name)
         if hf_name is not None:
             tensors[hf_name] = tensor
+    return tensors
+
+
+def _iter_gguf(path: Path, stage: _Stage, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    tensors = _gguf_tensors(path)
     for name in stage.weight_names(tensors):
         if name not in tensors:
             raise _missing(path, name)
-        weight = _dequantize(tensors[name])
-        # llama.cpp's converter permutes q/k rows for its rope layout; the model uses HF's.
-        if ".q_proj." in name:
-            weight = _unpermute_rope_rows(weight, stage.config.num_attention_heads)
-        elif ".k_proj." in name:
-            weight = _unpermute_rope_rows(weight, stage.config.num_key_value_heads)
-        yield name, weight.to(dtype)
+        yield name, _hf_rows(name, _dequantize(tensors[name]), stage.config).to(dtype)
+
+
+def _hf_rows(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """llama.cpp's converter permutes q/k rows for its rope layout; the model uses HF's. Works
+    on dequantized weights and on quantized block rows alike: each row is one output."""
+    if ".q_proj." in name:
+        return _unpermute_rope_rows(rows, config.num_attention_heads)
+    if ".k_proj." in name:
+        return _unpermute_rope_rows(rows, config.num_key_value_heads)
+    return rows
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -12,7 +12,7 @@ from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
 from pipellm.model.llama import LlamaStage
 from pipellm.model.sampler import sample
-from pipellm.model.weights import iter_weights
+from pipellm.model.weights import iter_quantized_weights, iter_weights
 from pipellm.worker.model_runner import ModelRunner
 from pipellm.worker.partition import partition_layers
 
@@ -57,7 +57,12 @@ class StageWorker:
                     config.source, mc, start, end, self.is_first, self.is_last, config.torch_dtype
                 )
             )
-        self.model.prepare_for_inference(prepack=True)
+        quantized = {}
+        if config.quantization == "gguf":
+            quantized = dict(
+                iter_quantized_weights(config.source, mc, start, end, self.is_first, self.is_last)
+            )
+        self.model.prepare_for_inference(prepack=True, quantized=quantized)
         self.model.eval()
         cache_shape = (config.num_kv_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [

@@ -1,0 +1,170 @@
+// y = x W^T + b in float32, with W kept in a GGUF quantized format (Q4_1 or Q8_0) and
+// dequantized on the fly, slice by slice, into an L1-sized float32 buffer that the same 6 x 16
+// register block as packed_linear then uses for every row of x.
+//
+// Why: a decode step at a few rows streams every weight from memory once. At 4-5 bits a
+// weight instead of 32, that stream shrinks 5-6x, and the step becomes bound by arithmetic.
+// The values are exact: a Q4_1 weight is d * q + m with d, m float16 and q in [0, 15], a Q8_0
+// weight d * q with q in [-128, 127]; d * q fits a float32 mantissa, so one fused multiply-add
+// rounds exactly as the dequantize-then-add that `gguf` does. The products and sums then run
+// in the same order as packed_linear's, so the outputs are bit-identical to packing the
+// dequantized float32 weights.
+//
+// Layout (made by pipellm/model/gguf_linear.py): per panel of 16 output columns and per block
+// of 32 input rows, one record:
+//   Q4_1: 16 float32 scales d, 16 float32 mins m, then 32 x 8 bytes: at depth k, byte j holds
+//         column j's q in its low nibble and column j + 8's in its high nibble;
+//   Q8_0: 16 float32 scales d, then 32 x 16 int8 q, column j at byte j.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "gemm_microkernel.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+using pipellm_kernels::kPanel;
+using pipellm_kernels::kRowBlock;
+using pipellm_kernels::kRows;
+
+constexpr int64_t kBlock = 32;          // GGUF block: input rows sharing one scale
+constexpr int64_t kSliceDepth = 256;    // depth dequantized at a time: 16 KB of float32
+constexpr int64_t kRowsBlock = 192;     // above 64 rows: rows of x per pass (192 KB in L2)
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;  // the `kind` argument
+constexpr int64_t kPrefetchBytes = 4096;  // ~10 Q4_1 records ahead
+
+// Prefetches the record kPrefetchBytes ahead, if it is before `end`: the hardware prefetcher
+// alone leaves the stream well below the read bandwidth while the core is busy dequantizing,
+// and a prefetch past the weights can cost a page walk.
+inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* end) {
+  const uint8_t* ahead = record + kPrefetchBytes;
+  if (ahead + bytes > end) return;
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+}
+
+constexpr int64_t record_bytes(int64_t kind) {
+  return kind == kQ4_1 ? 2 * kPanel * 4 + kBlock * kPanel / 2 : kPanel * 4 + kBlock * kPanel;
+}
+
+// Dequantizes blocks [b0, b1) of one panel into out[(b - b0) * 32 + k][16].
+void dequantize_q4_1(const uint8_t* panel, int64_t b0, int64_t b1, float* out,
+                     const uint8_t* end) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* record = panel + b * record_bytes(kQ4_1);
+    prefetch_ahead(record, record_bytes(kQ4_1), end);
+    const float* scale = reinterpret_cast<const float*>(record);
+    const float* min = scale + kPanel;
+    const uint8_t* q = record + 2 * kPanel * 4;
+    const __m256 d0 = _mm256_loadu_ps(scale), d1 = _mm256_loadu_ps(scale + 8);
+    const __m256 m0 = _mm256_loadu_ps(min), m1 = _mm256_loadu_ps(min + 8);
+    for (int64_t k = 0; k < kBlock; k += 2, out += 2 * kPanel) {
+      // Two depths at once: bytes 0-7 are depth k, bytes 8-15 depth k + 1.
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 8));
+      const __m128i lo = _mm_and_si128(bytes, low);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+      const __m128i lo1 = _mm_srli_si128(lo, 8), hi1 = _mm_srli_si128(hi, 8);
+      auto widen = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); };
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(widen(lo), d0, m0));
+      _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(widen(hi), d1, m1));
+      _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(widen(lo1), d0, m0));
+      _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(widen(hi1), d1, m1));
+    }
+  }
+}
+
+void dequantize_q8_0(const uint8_t* panel, int64_t b0, int64_t b1, float* out,
+                     const uint8_t* end) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* record = panel + b * record_bytes(kQ8_0);
+    prefetch_ahead(record, record_bytes(kQ8_0), end);
+    const float* scale = reinterpret_cast<const float*>(record);
+    const uint8_t* q = record + kPanel * 4;
+    const __m256 d0 = _mm256_loadu_ps(scale), d1 = _mm256_loadu_ps(scale + 8);
+    for (int64_t k = 0; k < kBlock; ++k, out += kPanel) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+      _mm256_storeu_ps(out, _mm256_mul_ps(w0, d0));
+      _mm256_storeu_ps(out + 8, _mm256_mul_ps(w1, d1));
+    }
+  }
+}
+
+at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
+                            const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantized_linear: kind 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
+              "quantized_linear: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == record_bytes(kind) &&
+                  packed.size(1) * kBlock == input.size(1),
+              "quantized_linear: weight not packed by gguf_linear for this in_features and kind");
+  const int64_t panels = packed.size(0), m = input.size(0), depth = input.size(1);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "quantized_linear: out_features does not match the packed weight");
+  const at::Tensor x = input.contiguous();
+  at::Tensor padded_bias;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features, "quantized_linear: bias size");
+    padded_bias = at::zeros({panels * kPanel}, x.options());
+    padded_bias.narrow(0, 0, out_features).copy_(bias->reshape({-1}));
+  }
+  const bool ragged = out_features % kPanel != 0;
+  at::Tensor out = at::empty({m, out_features}, x.options());
+  at::Tensor tail = ragged ? at::empty({m, kPanel}, x.options()) : at::Tensor();
+  if (m == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t panel_bytes = packed.size(1) * record_bytes(kind);
+  const float* bp = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const auto dequantize = kind == kQ4_1 ? dequantize_q4_1 : dequantize_q8_0;
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float slice[kSliceDepth * kPanel];
+    // Dequantizes depth [k0, k0 + kSliceDepth) of panel p, then runs rows [m0, m1) on it.
+    auto panel_slice = [&](int64_t p, int64_t k0, int64_t m0, int64_t m1) {
+      const int64_t k1 = std::min(depth, k0 + kSliceDepth);
+      dequantize(wp + p * panel_bytes, k0 / kBlock, k1 / kBlock, slice, wp + panels * panel_bytes);
+      const bool is_tail = ragged && p == panels - 1;
+      float* dst = is_tail ? tail.data_ptr<float>() : op + p * kPanel;
+      const int64_t ld = is_tail ? kPanel : out_features;
+      for (int64_t r = m0; r < m1; r += kRows) {
+        kRowBlock[std::min(kRows, m1 - r)](xp + r * depth + k0, depth, slice, 0, k1 - k0,
+                                           dst + r * ld, ld, k0 > 0,
+                                           bp ? bp + p * kPanel : nullptr, nullptr);
+      }
+    };
+    if (m <= 64) {  // decode sizes: one pass over the weights, each panel front to back
+      for (int64_t p = first; p < last; ++p)
+        for (int64_t k0 = 0; k0 < depth; k0 += kSliceDepth) panel_slice(p, k0, 0, m);
+      return;
+    }
+    // Prefill sizes: x is taken kRowsBlock rows by kSliceDepth columns at a time, a block that
+    // stays in L2 while this thread's panels go by.
+    for (int64_t m0 = 0; m0 < m; m0 += kRowsBlock)
+      for (int64_t k0 = 0; k0 < depth; k0 += kSliceDepth)
+        for (int64_t p = first; p < last; ++p)
+          panel_slice(p, k0, m0, std::min(m, m0 + kRowsBlock));
+  });
+  if (ragged) {
+    const int64_t start = (panels - 1) * kPanel, width = out_features - start;
+    out.narrow(1, start, width).copy_(tail.narrow(1, 0, width));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+  m.def("quantized_linear(Tensor x, Tensor packed, int kind, Tensor? bias, int out_features) "
+        "-> Tensor",
+        &quantized_linear);
+}

@@ -1,0 +1,99 @@
+"""Linear layers that compute on a GGUF file's quantized weights (Q4_1, Q8_0) as they are.
+
+A decode step streams every weight once, so on a CPU its time is the weights' bytes over the
+memory bandwidth. Kept at 4-5 bits (Q4_1) or 8.5 bits (Q8_0) a weight instead of 32, the
+stream is 4-6x smaller. pipellm's kernel (pipellm/kernels/quantized_linear.cpp) dequantizes
+slice by slice into cache and multiplies there; its results are bit-identical to those of the
+float32 weights `gguf` dequantizes (see the kernel's header for why), so the model computes
+exactly the same numbers, only faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+PANEL = 16  # output columns per panel, as in the kernel
+BLOCK = 32  # input rows per GGUF block
+# GGUF type -> the kernel's `kind` argument.
+KERNEL_KINDS = {GGMLQuantizationType.Q4_1: 0, GGMLQuantizationType.Q8_0: 1}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight matrix in GGUF's own bytes: row r of W is blocks[r], its 32-value blocks."""
+
+    kind: GGMLQuantizationType
+    blocks: torch.Tensor  # uint8 [out_features, in_features / 32 * bytes per block]
+
+    @property
+    def in_features(self) -> int:
+        block_bytes = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}[self.kind]
+        return self.blocks.shape[1] // block_bytes * BLOCK
+
+
+def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """The weights stacked along their output rows (fused q/k/v, gate/up); None if their kinds
+    differ, since one kernel call takes one kind."""
+    if len({part.kind for part in parts}) != 1:
+        return None
+    return QuantizedWeight(parts[0].kind, torch.cat([part.blocks for part in parts]))
+
+
+def _float16_to_float32(pairs: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 holding little-endian float16 values -> [...] float32."""
+    return pairs.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """The kernel's layout: [panels, in_features / 32, record] uint8, one record per panel of
+    16 output columns and 32-row block (see pipellm/kernels/quantized_linear.cpp)."""
+    rows = weight.blocks.shape[0]
+    num_blocks = weight.in_features // BLOCK
+    blocks = weight.blocks.view(rows, num_blocks, -1)
+    panels = -(-rows // PANEL)
+    pad = panels * PANEL - rows  # zero scales (and mins): padded columns come out 0
+
+    def by_panel(values: torch.Tensor) -> torch.Tensor:
+        """[rows, blocks, *rest] -> [panels, blocks, *rest, 16], zero-padded."""
+        values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
+        values = values.view(panels, PANEL, *values.shape[1:])
+        return values.movedim(1, -1).contiguous()
+
+    def as_bytes(values: torch.Tensor) -> torch.Tensor:
+        return values.contiguous().view(torch.uint8).reshape(panels, num_blocks, -1)
+
+    scales = by_panel(_float16_to_float32(blocks[..., 0:2]))
+    if weight.kind == GGMLQuantizationType.Q4_1:
+        mins = by_panel(_float16_to_float32(blocks[..., 2:4]))
+        packed_q = blocks[..., 4:20]  # value i in the low nibble of byte i, i + 16 in the high
+        q = torch.cat([packed_q & 0x0F, packed_q >> 4], dim=-1)  # [rows, blocks, 32]
+        q = by_panel(q)  # [panels, blocks, 32, 16]
+        pairs = q[..., :8] | (q[..., 8:] << 4)  # byte j: column j low, column j + 8 high
+        return torch.cat([as_bytes(scales), as_bytes(mins), as_bytes(pairs)], dim=-1)
+    q = by_panel(blocks[..., 2:34])  # int8 bytes, [panels, blocks, 32, 16]
+    return torch.cat([as_bytes(scales), as_bytes(q)], dim=-1)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W in a GGUF quantized format, for float32 x on the CPU."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.blocks.shape[0], weight.in_features
+        self.bias = bias
+        self.kind = weight.kind
+        self.packed_weight = pack_quantized_weight(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.pipellm.quantized_linear(
+            rows, self.packed_weight, KERNEL_KINDS[self.kind], self.bias, self.out_features
+        )
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name}"
