@@ -31,7 +31,7 @@ namespace {
 
 using pipellm_kernels::kPanel;
 using pipellm_kernels::kRowBlock;
-using pipellm_kernels::kRows;
+using pipellm_kernels::for_each_row_block;
 
 constexpr int64_t kBlock = 32;          // GGUF block: input rows sharing one scale
 constexpr int64_t kSliceDepth = 256;    // depth dequantized at a time: 16 KB of float32
@@ -136,11 +136,10 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
       const bool is_tail = ragged && p == panels - 1;
       float* dst = is_tail ? tail.data_ptr<float>() : op + p * kPanel;
       const int64_t ld = is_tail ? kPanel : out_features;
-      for (int64_t r = m0; r < m1; r += kRows) {
-        kRowBlock[std::min(kRows, m1 - r)](xp + r * depth + k0, depth, slice, 0, k1 - k0,
-                                           dst + r * ld, ld, k0 > 0,
-                                           bp ? bp + p * kPanel : nullptr, nullptr);
-      }
+      for_each_row_block(m0, m1, [&](int64_t r, int64_t rows) {
+        kRowBlock[rows](xp + r * depth + k0, depth, slice, 0, k1 - k0, dst + r * ld, ld, k0 > 0,
+                        bp ? bp + p * kPanel : nullptr, nullptr);
+      });
     };
     if (m <= 64) {  // decode sizes: one pass over the weights, each panel front to back
       for (int64_t p = first; p < last; ++p)
