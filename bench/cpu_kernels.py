@@ -1,7 +1,10 @@
 """pipellm's own CPU kernels against its PyTorch path, on the built-in SmolLM2-135M.
 
-The same offline workload runs with the kernels on and off (PIPELLM_CPU_KERNELS=0), each in a
-fresh process, alternating on/off run by run; the report gives medians and ratios.
+The same offline workload runs in three configurations, each in a fresh process, taking turns
+run by run; the report gives medians and ratios against the PyTorch path:
+- gguf: the kernels, the GGUF's Q4_1/Q8_0 weights computed as stored (the default);
+- float32: the kernels, the weights dequantized to float32 (`quantization="none"`);
+- pytorch: no kernels (PIPELLM_CPU_KERNELS=0), float32 weights.
 
 - prefill: `--num-prompts` prompts of `--input-len` tokens, one new token each;
 - decode step: (full run - prefill run) / (output-len - 1), the full run asking for
@@ -21,7 +24,8 @@ import subprocess
 import sys
 import time
 
-CONFIGS = {"kernels": "1", "pytorch": "0"}
+# name -> (PIPELLM_CPU_KERNELS, quantization)
+CONFIGS = {"gguf": ("1", "gguf"), "float32": ("1", "none"), "pytorch": ("0", "none")}
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
@@ -30,7 +34,12 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     from pipellm import LLM, SamplingParams
 
-    llm = LLM(None, max_num_seqs=args.num_prompts, enable_prefix_caching=False)
+    llm = LLM(
+        None,
+        max_num_seqs=args.num_prompts,
+        enable_prefix_caching=False,
+        quantization=args.quantization,
+    )
     torch.set_num_threads(args.threads)  # after LLM(), which sets its own count
     generator = torch.Generator().manual_seed(args.seed)
 
@@ -60,6 +69,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", default="gguf", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args)))
@@ -67,11 +77,14 @@ def main() -> None:
 
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores: above ~0.5 means noise)")
     results: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+    names = list(CONFIGS)
     for rep in range(args.repeats):
-        order = list(CONFIGS) if rep % 2 == 0 else list(reversed(CONFIGS))
-        for name in order:
-            env = {**os.environ, "PIPELLM_CPU_KERNELS": CONFIGS[name]}
-            child = [sys.executable, __file__, "--child", *sys.argv[1:]]
+        # Rotate which configuration goes first, so none always runs on a warmer machine.
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            kernels, quantization = CONFIGS[name]
+            env = {**os.environ, "PIPELLM_CPU_KERNELS": kernels}
+            child = [sys.executable, __file__, "--child", "--quantization", quantization]
+            child += sys.argv[1:]
             out = subprocess.run(child, env=env, check=True, capture_output=True, text=True)
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             r = results[name][-1]
@@ -89,11 +102,12 @@ def main() -> None:
         for name, runs in results.items()
     }
     for key, label in (("prefill_s", "prefill (s)"), ("decode_step_ms", "decode step (ms)")):
-        ours, theirs = medians["kernels"][key], medians["pytorch"][key]
-        print(
-            f"{label:>18}: kernels {ours:8.2f}   pytorch {theirs:8.2f}   "
-            f"pytorch/kernels {theirs / ours:5.2f}x"
+        base = medians["pytorch"][key]
+        cells = "   ".join(
+            f"{name} {medians[name][key]:7.2f} ({base / medians[name][key]:4.2f}x)"
+            for name in names
         )
+        print(f"{label:>18}: {cells}   (x: pytorch / this)")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 
