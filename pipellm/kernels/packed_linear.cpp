@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include "gemm_microkernel.h"
+#include "panel_output.h"
 
 #include <algorithm>
 #include <cstring>
@@ -26,6 +27,7 @@ namespace {
 using pipellm_kernels::kPanel;
 using pipellm_kernels::kRowBlock;
 using pipellm_kernels::kRows;
+using pipellm_kernels::PanelOutput;
 // Above kRowsBlock rows, x is taken kRowsBlock rows by kDepthBlock columns at a time, so that
 // its block stays in L2 and a panel's slice in L1 while every row block uses it.
 constexpr int64_t kRowsBlock = 48;
@@ -50,25 +52,11 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
                   packed.size(1) == input.size(1),
               "packed_linear: weight not packed by pack_linear_weight for this in_features");
   const int64_t panels = packed.size(0), m = input.size(0), depth = input.size(1);
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
-              "packed_linear: out_features does not match the packed weight");
   const at::Tensor x = input.contiguous();
-  // Bias padded to whole panels, so every panel starts its accumulators from 16 values.
-  at::Tensor padded_bias;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features, "packed_linear: bias size");
-    padded_bias = at::zeros({panels * kPanel}, x.options());
-    padded_bias.narrow(0, 0, out_features).copy_(bias->reshape({-1}));
-  }
-  const bool ragged = out_features % kPanel != 0;
-  // A ragged last panel is computed into its own buffer and its real columns copied out.
-  at::Tensor out = at::empty({m, out_features}, x.options());
-  at::Tensor tail = ragged ? at::empty({m, kPanel}, x.options()) : at::Tensor();
-  if (m == 0) return out;
+  PanelOutput y(m, out_features, panels, bias, x.options());
+  if (y.empty()) return y.finish();
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
-  const float* bp = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
   const int64_t rows_block = m <= 64 ? m : kRowsBlock;
   const int64_t depth_block = m <= 64 ? depth : kDepthBlock;
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
@@ -78,25 +66,20 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
         const int64_t k1 = std::min(depth, k0 + depth_block);
         for (int64_t p = first; p < last; ++p) {
           const float* panel = wp + p * depth * kPanel;
-          const bool is_tail = ragged && p == panels - 1;
-          float* dst = is_tail ? tail.data_ptr<float>() : op + p * kPanel;
-          const int64_t ld = is_tail ? kPanel : out_features;
+          float* dst = y.dst(p);
+          const int64_t ld = y.ld(p);
           const float* ahead =
               wp + std::min(p + kPrefetchPanels, panels - 1) * depth * kPanel;
           for (int64_t r = m0; r < m1; r += kRows) {
             const int64_t rows = std::min(kRows, m1 - r);
             kRowBlock[rows](xp + r * depth, depth, panel, k0, k1, dst + r * ld, ld, k0 > 0,
-                            bp ? bp + p * kPanel : nullptr, r == m0 ? ahead : nullptr);
+                            y.bias(p), r == m0 ? ahead : nullptr);
           }
         }
       }
     }
   });
-  if (ragged) {
-    const int64_t start = (panels - 1) * kPanel, width = out_features - start;
-    out.narrow(1, start, width).copy_(tail.narrow(1, 0, width));
-  }
-  return out;
+  return y.finish();
 }
 
 }  // namespace

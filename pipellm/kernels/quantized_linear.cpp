@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include "gemm_microkernel.h"
+#include "panel_output.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -32,6 +33,7 @@ namespace {
 using pipellm_kernels::kPanel;
 using pipellm_kernels::kRowBlock;
 using pipellm_kernels::for_each_row_block;
+using pipellm_kernels::PanelOutput;
 
 constexpr int64_t kBlock = 32;          // GGUF block: input rows sharing one scale
 constexpr int64_t kSliceDepth = 256;    // depth dequantized at a time: 16 KB of float32
@@ -108,24 +110,12 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
                   packed.size(1) * kBlock == input.size(1),
               "quantized_linear: weight not packed by gguf_linear for this in_features and kind");
   const int64_t panels = packed.size(0), m = input.size(0), depth = input.size(1);
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
-              "quantized_linear: out_features does not match the packed weight");
   const at::Tensor x = input.contiguous();
-  at::Tensor padded_bias;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features, "quantized_linear: bias size");
-    padded_bias = at::zeros({panels * kPanel}, x.options());
-    padded_bias.narrow(0, 0, out_features).copy_(bias->reshape({-1}));
-  }
-  const bool ragged = out_features % kPanel != 0;
-  at::Tensor out = at::empty({m, out_features}, x.options());
-  at::Tensor tail = ragged ? at::empty({m, kPanel}, x.options()) : at::Tensor();
-  if (m == 0) return out;
+  PanelOutput y(m, out_features, panels, bias, x.options());
+  if (y.empty()) return y.finish();
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = packed.size(1) * record_bytes(kind);
-  const float* bp = padded_bias.defined() ? padded_bias.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
   const auto dequantize = kind == kQ4_1 ? dequantize_q4_1 : dequantize_q8_0;
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     alignas(64) float slice[kSliceDepth * kPanel];
@@ -133,12 +123,11 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
     auto panel_slice = [&](int64_t p, int64_t k0, int64_t m0, int64_t m1) {
       const int64_t k1 = std::min(depth, k0 + kSliceDepth);
       dequantize(wp + p * panel_bytes, k0 / kBlock, k1 / kBlock, slice, wp + panels * panel_bytes);
-      const bool is_tail = ragged && p == panels - 1;
-      float* dst = is_tail ? tail.data_ptr<float>() : op + p * kPanel;
-      const int64_t ld = is_tail ? kPanel : out_features;
+      float* dst = y.dst(p);
+      const int64_t ld = y.ld(p);
       for_each_row_block(m0, m1, [&](int64_t r, int64_t rows) {
         kRowBlock[rows](xp + r * depth + k0, depth, slice, 0, k1 - k0, dst + r * ld, ld, k0 > 0,
-                        bp ? bp + p * kPanel : nullptr, nullptr);
+                        y.bias(p), nullptr);
       });
     };
     if (m <= 64) {  // decode sizes: one pass over the weights, each panel front to back
@@ -153,11 +142,7 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
         for (int64_t p = first; p < last; ++p)
           panel_slice(p, k0, m0, std::min(m, m0 + kRowsBlock));
   });
-  if (ragged) {
-    const int64_t start = (panels - 1) * kPanel, width = out_features - start;
-    out.narrow(1, start, width).copy_(tail.narrow(1, 0, width));
-  }
-  return out;
+  return y.finish();
 }
 
 }  // namespace
