@@ -4,6 +4,7 @@ import pytest
 
 from pipellm import LLM, SamplingParams
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.model import weights
 from pipellm.model.gguf_linear import QuantizedLinear
 from pipellm.model.linear import PackedLinear
 
@@ -55,3 +56,18 @@ def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
     for a, b in zip(quantized, dequantized, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_weights_taken_quantized_are_never_dequantized(monkeypatch):
+    """The load's peak memory is the quantized model: only the embedding (its lookup needs
+    float32 rows) and the norms are dequantized."""
+    if not cpu_kernels_available():
+        pytest.skip("CPU kernels unavailable: the float32 path runs")
+    dequantized = []
+    real = weights._dequantize
+    monkeypatch.setattr(weights, "_dequantize", lambda t: dequantized.append(t.name) or real(t))
+    with LLM(max_num_seqs=1, max_model_len=256, kv_cache_memory=1 << 24) as llm:
+        answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in answer[0].outputs[0].text
+    assert "token_embd.weight" in dequantized
+    assert all(name == "token_embd.weight" or "norm" in name for name in dequantized), dequantized

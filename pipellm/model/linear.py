@@ -10,8 +10,6 @@ MKL at prefill sizes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -58,22 +56,17 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(
-    module: nn.Module,
-    quantized_weight: Callable[[str], QuantizedWeight | None] = lambda name: None,
-    prefix: str = "",
+    module: nn.Module, quantized: dict[str, QuantizedWeight], prefix: str = ""
 ) -> None:
-    """Replaces every nn.Linear below `module` by a QuantizedLinear where `quantized_weight`
-    (given the linear's qualified name) has its GGUF weight, else by a PackedLinear, where
-    the CPU allows."""
+    """Replaces every nn.Linear below `module` by a QuantizedLinear where `quantized` has its
+    GGUF weight (by qualified name; its float32 weight may never have been loaded), else by a
+    PackedLinear, where the CPU allows."""
     for name, child in module.named_children():
         qualified = prefix + name
         if isinstance(child, nn.Linear):
-            if not can_prepack(child.weight):
-                continue
-            quantized = quantized_weight(qualified) if cpu_kernels_available() else None
-            if quantized is not None:
-                setattr(module, name, QuantizedLinear(quantized, child.bias))
-            else:
+            if qualified in quantized:
+                setattr(module, name, QuantizedLinear(quantized[qualified], child.bias))
+            elif can_prepack(child.weight):
                 setattr(module, name, PackedLinear(child.weight.detach(), child.bias))
         else:
-            prepack_linears(child, quantized_weight, qualified + ".")
+            prepack_linears(child, quantized, qualified + ".")

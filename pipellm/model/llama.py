@@ -9,7 +9,7 @@ faster at decode sizes); `checkpoint_shards` says which checkpoint tensors make 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 from torch import nn
@@ -178,26 +178,38 @@ class LlamaStage(nn.Module):
         self, prepack: bool, quantized: dict[str, QuantizedWeight] | None = None
     ) -> None:
         """Ties lm_head to the embedding where the config says so, and, with `prepack`,
-        reorders every linear weight for the CPU's GEMM (see model/linear.py), or, for the
-        linears whose checkpoint tensors `quantized` holds (by Hugging Face name), computes on
-        those GGUF bytes (model/gguf_linear.py). A tied lm_head gets its own packed copy of
-        the embedding: it is the largest GEMM."""
+        reorders every linear weight for the CPU's GEMM (see model/linear.py), except the
+        linears `quantized` gives GGUF weights for (by module name, see quantized_linears),
+        which compute on those (model/gguf_linear.py). A tied lm_head gets its own packed copy
+        of the embedding: it is the largest GEMM."""
         if self.is_last and self.lm_head is None:
             hidden, vocab = self.config.hidden_size, self.config.vocab_size
             self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
-        if not prepack:
-            return
-        quantized = quantized or {}
+        if prepack:
+            prepack_linears(self, quantized or {})
 
-        def quantized_weight(module_name: str) -> QuantizedWeight | None:
-            shards = self.checkpoint_shards(f"{module_name}.weight")
-            if module_name == "lm_head" and self.config.tie_word_embeddings:
-                shards = [("model.embed_tokens.weight", self.config.vocab_size)]
-            parts = [quantized.get(name) for name, _ in shards]
-            return None if None in parts else stack_rows(parts)
+    def quantized_linears(
+        self, checkpoint_weights: dict[str, QuantizedWeight]
+    ) -> dict[str, QuantizedWeight]:
+        """Module name -> the weight of each linear layer whose checkpoint tensors (by Hugging
+        Face name) are all in `checkpoint_weights`, stacked as the layer fuses them."""
+        names = [name for name, module in self.named_modules() if isinstance(module, nn.Linear)]
+        if self.is_last and self.lm_head is None:
+            names.append("lm_head")  # tied: made in prepare_for_inference
+        linears = {}
+        for name in names:
+            parts = [checkpoint_weights.get(shard) for shard, _ in self.weight_shards(name)]
+            stacked = None if None in parts else stack_rows(parts)
+            if stacked is not None:
+                linears[name] = stacked
+        return linears
 
-        prepack_linears(self, quantized_weight)
+    def weight_shards(self, module_name: str) -> list[tuple[str, int]]:
+        """checkpoint_shards of a linear layer's weight; a tied lm_head's is the embedding."""
+        if module_name == "lm_head" and self.config.tie_word_embeddings:
+            return [("model.embed_tokens.weight", self.config.vocab_size)]
+        return self.checkpoint_shards(f"{module_name}.weight")
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -221,9 +233,16 @@ class LlamaStage(nn.Module):
         module = self.get_submodule(module_name)
         setattr(module, attr, nn.Parameter(tensor.to(self.dtype), requires_grad=False))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Takes checkpoint tensors as the parameters; every parameter must be provided."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], skipped: Container[str] = ()
+    ) -> None:
+        """Takes checkpoint tensors as the parameters; every parameter must be provided, but
+        those made only of `skipped` checkpoint tensors (taken quantized instead: they stay on
+        the meta device until prepare_for_inference replaces their layers)."""
         shards = {n: self.checkpoint_shards(n) for n, _ in self.named_parameters()}
+        shards = {
+            n: parts for n, parts in shards.items() if not all(name in skipped for name, _ in parts)
+        }
         wanted = {
             name: (local_name, index)
             for local_name, parts in shards.items()

@@ -58,19 +58,21 @@ def iter_weights(
     is_first: bool,
     is_last: bool,
     dtype: torch.dtype,
+    skip: Container[str] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, tensor) for the weights of global layers [layer_start, layer_end).
 
     The first stage gets the embedding; the last gets the final norm and lm_head, or, when the
     embeddings are tied, "model.embed_tokens.weight" to use as lm_head. Attention biases are
-    yielded when the checkpoint has them. Only the stage's tensors are read from disk.
+    yielded when the checkpoint has them. Only the stage's tensors are read from disk, less
+    those named in `skip` (weights the stage takes quantized, see iter_quantized_weights).
     """
     if not 0 <= layer_start <= layer_end <= config.num_hidden_layers:
         raise ValueError(
             f"layer range [{layer_start}, {layer_end}) is outside the model's "
             f"{config.num_hidden_layers} layers"
         )
-    stage = _Stage(config, layer_start, layer_end, is_first, is_last)
+    stage = _Stage(config, layer_start, layer_end, is_first, is_last, skip)
     if source.kind == "hf":
         yield from _iter_safetensors(source.path, stage, dtype)
     else:
@@ -84,9 +86,14 @@ class _Stage:
     layer_end: int
     is_first: bool
     is_last: bool
+    skip: Container[str] = ()
 
     def weight_names(self, available: Container[str]) -> Iterator[str]:
-        """The Hugging Face names this stage needs, biases included where `available` has them."""
+        """The Hugging Face names this stage needs, biases included where `available` has them,
+        less those in `skip`."""
+        return (name for name in self._all_weight_names(available) if name not in self.skip)
+
+    def _all_weight_names(self, available: Container[str]) -> Iterator[str]:
         if self.is_first or (self.is_last and self.config.tie_word_embeddings):
             yield "model.embed_tokens.weight"
         for layer in range(self.layer_start, self.layer_end):

@@ -49,18 +49,32 @@ class StageWorker:
         mc = config.model_config
         start, end = partition_layers(mc.num_hidden_layers, num_stages)[stage_rank]
         self.model = LlamaStage(mc, start, end, self.is_first, self.is_last, config.torch_dtype)
+        # GGUF weights the kernel takes as stored are never dequantized: the load's peak
+        # memory is then the quantized model, not the float32 one.
+        quantized = {}
+        if config.quantization == "gguf" and cpu_kernels_available():
+            checkpoint = iter_quantized_weights(
+                config.source, mc, start, end, self.is_first, self.is_last
+            )
+            quantized = self.model.quantized_linears(dict(checkpoint))
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
         else:
+            skip = {shard for module in quantized for shard, _ in self.model.weight_shards(module)}
+            if self.is_first:
+                skip.discard("model.embed_tokens.weight")  # the lookup needs its float32 rows
             self.model.load_weights(
                 iter_weights(
-                    config.source, mc, start, end, self.is_first, self.is_last, config.torch_dtype
-                )
-            )
-        quantized = {}
-        if config.quantization == "gguf":
-            quantized = dict(
-                iter_quantized_weights(config.source, mc, start, end, self.is_first, self.is_last)
+                    config.source,
+                    mc,
+                    start,
+                    end,
+                    self.is_first,
+                    self.is_last,
+                    config.torch_dtype,
+                    skip,
+                ),
+                skipped=skip,
             )
         self.model.prepare_for_inference(prepack=True, quantized=quantized)
         self.model.eval()
