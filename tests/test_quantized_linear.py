@@ -28,7 +28,8 @@ def quantized(kind, out_features: int, in_features: int, seed: int):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 5, 16, 64, 65, 300])
+# 1-4 rows: dequantized in registers; 5-64: through a slice buffer, one pass; more: blocked.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 64, 65, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 # 40 = 2 * 16 + 8: a ragged last panel; 608 deep: 19 blocks, slices of 256 with a short last one.
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (96, 608)])
