@@ -69,7 +69,7 @@ def cpu_kernels_available() -> bool:
 
 def kernels_apply(x: torch.Tensor) -> bool:
     """Whether the kernels can take x: a float32 CPU tensor, on a machine where they built."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels_available()
+    return x.is_cpu and x.dtype == torch.float32 and cpu_kernels_available()
 
 
 def _load() -> None:

@@ -86,14 +86,15 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = weight.blocks.shape[0], weight.in_features
         self.bias = bias
         self.kind = weight.kind
+        self.kernel_kind = KERNEL_KINDS[weight.kind]
         self.packed_weight = pack_quantized_weight(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # reshapes cost ~4 us
         y = torch.ops.pipellm.quantized_linear(
-            rows, self.packed_weight, KERNEL_KINDS[self.kind], self.bias, self.out_features
+            rows, self.packed_weight, self.kernel_kind, self.bias, self.out_features
         )
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name}"
