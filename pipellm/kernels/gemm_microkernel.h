@@ -11,14 +11,15 @@ namespace pipellm_kernels {
 constexpr int64_t kPanel = 16;  // output columns per panel: two AVX registers
 constexpr int64_t kRows = 6;    // rows of x per register block: 12 accumulators of 16
 
-// Rows [0, R) of x times one panel over depth [k0, k1), into out (ld = out's row stride).
+// Rows [0, R) of x times one panel of 16 columns over depth [k0, k1), into out (ld = out's row
+// stride), the panel's 16 weights at depth k given by weights.at(k, w0, w1): a packed float32
+// panel (PackedPanel) or a quantized one dequantized in registers (quantized_linear.cpp).
 // Starts from `init` (bias, or nullptr for zero) when `accumulate` is false, else from out.
 // Named accumulators, not arrays: gcc keeps arrays of __m256 on the stack in this loop.
 #define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-template <int R>
-void row_block(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
-               float* out, int64_t ld, bool accumulate, const float* init,
-               const float* prefetch) {
+template <int R, class Weights>
+inline void row_block_of(const float* x, int64_t ldx, Weights& weights, int64_t k0, int64_t k1,
+                         float* out, int64_t ld, bool accumulate, const float* init) {
   const __m256 init0 = init ? _mm256_loadu_ps(init) : _mm256_setzero_ps();
   const __m256 init1 = init ? _mm256_loadu_ps(init + 8) : _mm256_setzero_ps();
 #define DECLARE(i)                                                         \
@@ -30,9 +31,8 @@ void row_block(const float* x, int64_t ldx, const float* panel, int64_t k0, int6
   FOR_ROWS(DECLARE)
   const float* xk = x + k0;
   for (int64_t k = k0; k < k1; ++k, ++xk) {
-    const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
-    const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+    __m256 w0, w1;
+    weights.at(k, w0, w1);
 #define FMA(i)                                                   \
   if (R > i) {                                                   \
     const __m256 xi = _mm256_broadcast_ss(xk + i * ldx);         \
@@ -51,8 +51,27 @@ void row_block(const float* x, int64_t ldx, const float* panel, int64_t k0, int6
 #undef FMA
 #undef STORE
 }
-
 #undef FOR_ROWS
+
+// A packed float32 panel: packed[k][16], 32-byte aligned; optionally prefetching the same
+// depth of another panel (`prefetch`, or nullptr) as it goes.
+struct PackedPanel {
+  const float* panel;
+  const float* prefetch;
+  void at(int64_t k, __m256& w0, __m256& w1) const {
+    w0 = _mm256_load_ps(panel + k * kPanel);
+    w1 = _mm256_load_ps(panel + k * kPanel + 8);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+  }
+};
+
+template <int R>
+void row_block(const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+               float* out, int64_t ld, bool accumulate, const float* init,
+               const float* prefetch) {
+  PackedPanel weights{panel, prefetch};
+  row_block_of<R>(x, ldx, weights, k0, k1, out, ld, accumulate, init);
+}
 
 // Calls f(first_row, rows) for rows [m0, m1) in ceil(rows / kRows) register blocks of near-equal
 // size: 13 rows as 5 + 4 + 4, 8 as 4 + 4. Where the weights come from cache, a block of 1-3

@@ -113,46 +113,32 @@ void dequantize(const uint8_t* panel, int64_t b0, int64_t b1, float* out, const 
   }
 }
 
+// A quantized panel read depth by depth, each record dequantized in registers as it is reached.
+template <class Record>
+struct QuantizedPanel {
+  const uint8_t* panel;
+  const uint8_t* end;
+  Record record;
+  void at(int64_t k, __m256& w0, __m256& w1) {
+    if (k % kBlock == 0) {
+      const uint8_t* bytes = panel + k / kBlock * Record::kBytes;
+      prefetch_ahead(bytes, Record::kBytes, end);
+      record = Record(bytes);
+    }
+    record.at(k % kBlock, w0, w1);
+  }
+};
+
 // Rows [0, R) of x times one whole panel, each depth's weights dequantized in registers and
 // used at once: for a few rows (decode of a few sequences), where storing the slice and
 // loading it back costs as much as dequantizing it. Same products, same order as the slice
 // path, so the same bits.
-#define FOR_ROWS(X) X(0) X(1) X(2) X(3)
 template <class Record, int R>
 void fused_row_block(const float* x, int64_t ldx, const uint8_t* panel, int64_t blocks,
                      float* out, int64_t ld, const float* init, const uint8_t* end) {
-  const __m256 init0 = init ? _mm256_loadu_ps(init) : _mm256_setzero_ps();
-  const __m256 init1 = init ? _mm256_loadu_ps(init + 8) : _mm256_setzero_ps();
-#define DECLARE(i) __m256 acc##i##0 = init0, acc##i##1 = init1;
-  FOR_ROWS(DECLARE)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* bytes = panel + b * Record::kBytes;
-    prefetch_ahead(bytes, Record::kBytes, end);
-    const Record record(bytes);
-    const float* xk = x + b * kBlock;
-    for (int64_t k = 0; k < kBlock; ++k, ++xk) {
-      __m256 w0, w1;
-      record.at(k, w0, w1);
-#define FMA(i)                                                   \
-  if (R > i) {                                                   \
-    const __m256 xi = _mm256_broadcast_ss(xk + i * ldx);         \
-    acc##i##0 = _mm256_fmadd_ps(xi, w0, acc##i##0);              \
-    acc##i##1 = _mm256_fmadd_ps(xi, w1, acc##i##1);              \
-  }
-      FOR_ROWS(FMA)
-    }
-  }
-#define STORE(i)                                 \
-  if (R > i) {                                   \
-    _mm256_storeu_ps(out + i * ld, acc##i##0);   \
-    _mm256_storeu_ps(out + i * ld + 8, acc##i##1); \
-  }
-  FOR_ROWS(STORE)
-#undef DECLARE
-#undef FMA
-#undef STORE
+  QuantizedPanel<Record> weights{panel, end, Record(panel)};
+  pipellm_kernels::row_block_of<R>(x, ldx, weights, 0, blocks * kBlock, out, ld, false, init);
 }
-#undef FOR_ROWS
 
 using FusedRowBlockFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t,
                                  const float*, const uint8_t*);
