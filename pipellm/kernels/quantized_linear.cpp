@@ -1,6 +1,7 @@
 // y = x W^T + b in float32, with W kept in a GGUF quantized format (Q4_1 or Q8_0) and
-// dequantized on the fly, slice by slice, into an L1-sized float32 buffer that the same 6 x 16
-// register block as packed_linear then uses for every row of x.
+// dequantized on the fly for the same 6 x 16 register block as packed_linear: at 1-4 rows of x
+// in registers, depth by depth; at more rows slice by slice into an L1-sized float32 buffer
+// that every row block of x then uses.
 //
 // Why: a decode step at a few rows streams every weight from memory once. At 4-5 bits a
 // weight instead of 32, that stream shrinks 5-6x, and the step becomes bound by arithmetic.
