@@ -10,10 +10,11 @@ exactly the same numbers, only faster.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 PANEL = 16  # output columns per panel, as in the kernel
@@ -31,8 +32,8 @@ class QuantizedWeight:
 
     @property
     def in_features(self) -> int:
-        block_bytes = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}[self.kind]
-        return self.blocks.shape[1] // block_bytes * BLOCK
+        block_values, block_bytes = GGML_QUANT_SIZES[self.kind]
+        return self.blocks.shape[1] // block_bytes * block_values
 
 
 def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
@@ -41,6 +42,16 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
     if len({part.kind for part in parts}) != 1:
         return None
     return QuantizedWeight(parts[0].kind, torch.cat([part.blocks for part in parts]))
+
+
+def on_rows(op: Callable[..., torch.Tensor], x: torch.Tensor, *args: object) -> torch.Tensor:
+    """op(rows of x, *args) for a kernel that takes 2-D x: leading dims of x are flattened and
+    restored around it. The model's own input is already 2-D and skips both reshapes (~4 us a
+    call, 121 calls a step)."""
+    if x.dim() == 2:
+        return op(x, *args)
+    y = op(x.reshape(-1, x.shape[-1]), *args)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _float16_to_float32(pairs: torch.Tensor) -> torch.Tensor:
@@ -90,11 +101,14 @@ class QuantizedLinear(nn.Module):
         self.packed_weight = pack_quantized_weight(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # reshapes cost ~4 us
-        y = torch.ops.pipellm.quantized_linear(
-            rows, self.packed_weight, self.kernel_kind, self.bias, self.out_features
+        return on_rows(
+            torch.ops.pipellm.quantized_linear,
+            x,
+            self.packed_weight,
+            self.kernel_kind,
+            self.bias,
+            self.out_features,
         )
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name}"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
-from pipellm.model.gguf_linear import QuantizedLinear, QuantizedWeight
+from pipellm.model.gguf_linear import QuantizedLinear, QuantizedWeight, on_rows
 
 # oneDNN picks the blocked layout for this many rows; measured: any value serves all row counts.
 _PACK_ROWS_HINT = 16
@@ -46,9 +46,9 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
             )
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # reshapes cost ~4 us
-        y = torch.ops.pipellm.packed_linear(rows, self.packed_weight, self.bias, self.out_features)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        return on_rows(
+            torch.ops.pipellm.packed_linear, x, self.packed_weight, self.bias, self.out_features
+        )
 
     def extra_repr(self) -> str:
         kind = "pipellm" if self.own_kernel else "onednn"

@@ -67,11 +67,6 @@ def iter_weights(
     yielded when the checkpoint has them. Only the stage's tensors are read from disk, less
     those named in `skip` (weights the stage takes quantized, see iter_quantized_weights).
     """
-    if not 0 <= layer_start <= layer_end <= config.num_hidden_layers:
-        raise ValueError(
-            f"layer range [{layer_start}, {layer_end}) is outside the model's "
-            f"{config.num_hidden_layers} layers"
-        )
     stage = _Stage(config, layer_start, layer_end, is_first, is_last, skip)
     if source.kind == "hf":
         yield from _iter_safetensors(source.path, stage, dtype)
@@ -87,6 +82,13 @@ class _Stage:
     is_first: bool
     is_last: bool
     skip: Container[str] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start <= self.layer_end <= self.config.num_hidden_layers:
+            raise ValueError(
+                f"layer range [{self.layer_start}, {self.layer_end}) is outside the model's "
+                f"{self.config.num_hidden_layers} layers"
+            )
 
     def weight_names(self, available: Container[str]) -> Iterator[str]:
         """The Hugging Face names this stage needs, biases included where `available` has them,
