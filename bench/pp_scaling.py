@@ -8,6 +8,16 @@ run alternately A B C D A B C D ... so machine noise hits all of them alike:
 Prints throughput, mean TTFT and stage idle fraction of each (medians) and the ratios.
 
   .venv/bin/python bench/pp_scaling.py [--num-prompts 32 --input-len 1024 --output-len 32]
+
+--single-request: the single-request column instead. One prompt of --single-len random tokens
+-> 1 token, alone in the engine (time to first token is then the prompt's whole prefill):
+  (d) P=1, 2 threads    (e) P=2, chunked pipeline    (f) P=2, --no-enable-chunked-pipeline
+With the chunked pipeline the prompt's chunks are in both stages at once, so P=2 should come
+close to P=1 with the same two cores; without it the stages take turns. Prints the TTFT of
+each (median over --repeats, alternating) and (e)/(d), (f)/(d); strong-scaling efficiency is
+(d)/(e).
+
+  .venv/bin/python bench/pp_scaling.py --single-request [--single-len 2048 --repeats 3]
 """
 
 from __future__ import annotations
@@ -36,6 +46,84 @@ SETUPS = [
     Setup("c: P=2, balanced", dict(pipeline_parallel_size=2, num_threads=1)),
     Setup("d: P=1, 2 threads", dict(pipeline_parallel_size=1, num_threads=2)),
 ]
+
+SINGLE_SETUPS = [
+    Setup("d: P=1, 2 threads", dict(pipeline_parallel_size=1, num_threads=2)),
+    Setup("e: P=2, chunked pipeline", dict(pipeline_parallel_size=2, num_threads=1)),
+    Setup(
+        "f: P=2, not chunked",
+        dict(pipeline_parallel_size=2, num_threads=1, enable_chunked_pipeline=False),
+    ),
+]
+
+
+def run_single(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> dict:
+    """TTFT of one random prompt -> 1 token, after a short warm-up request."""
+    config = EngineConfig(
+        model=args.model,
+        max_num_seqs=8,
+        max_model_len=args.single_len + 16,
+        enable_prefix_caching=False,
+        trace_file=trace_file,
+        pp_microbatch_tokens=args.pp_microbatch_tokens,
+        **setup.engine_args,
+    )
+    core = EngineCore(config)
+    rng = random.Random(1)
+    vocab = config.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    try:
+        core.add_request("warm-up", [rng.randrange(vocab) for _ in range(32)], params)
+        while core.has_unfinished_requests():
+            core.step()
+        prompt = [rng.randrange(vocab) for _ in range(args.single_len)]
+        since = time.time()
+        started = time.perf_counter()
+        core.add_request("single", prompt, params)
+        while not any(out.request_id == "single" for out in core.step()):
+            pass
+        ttft = time.perf_counter() - started
+        pipeline = core.pipeline_stats.summary(since)
+    finally:
+        core.shutdown()
+    return {
+        "ttft_s": ttft,
+        "stage_idle": pipeline["stage_idle_fraction"],
+        "mean_queue_depth": pipeline["mean_queue_depth"],
+    }
+
+
+def main_single(args: argparse.Namespace) -> None:
+    setups = [s for s in SINGLE_SETUPS if s.label[0] in args.only]
+    results: dict[str, list[dict]] = {s.label: [] for s in setups}
+    for repeat in range(args.repeats):
+        for setup in setups:
+            trace = None
+            if repeat == 0 and setup.engine_args["pipeline_parallel_size"] > 1:
+                trace = f"{args.trace_dir}/single_{setup.label[0]}.trace.json"
+            result = run_single(setup, args, trace)
+            results[setup.label].append(result)
+            print(
+                f"[{repeat}] {setup.label:26s} TTFT {result['ttft_s']:6.2f} s  queue depth "
+                f"{result['mean_queue_depth']:.2f}  idle "
+                + " ".join(f"{x:.0%}" for x in result["stage_idle"]),
+                flush=True,
+            )
+            if trace:
+                from pipellm.bench.timeline import render_timeline
+
+                png = trace.replace(".trace.json", "_timeline.png")
+                render_timeline(trace, png, title=f"{setup.label}: one prompt", seconds=None)
+                print(f"    timeline: {png}")
+    ttft = {label: statistics.median(r["ttft_s"] for r in rs) for label, rs in results.items()}
+    print(f"\n{'setup':26s} {'median TTFT s':>14s}   all")
+    for label, rs in results.items():
+        print(f"{label:26s} {ttft[label]:14.2f}   " + " ".join(f"{r['ttft_s']:.2f}" for r in rs))
+    labels = {s.label[0]: s.label for s in setups}
+    for num in ("e", "f"):
+        if num in labels and "d" in labels:
+            ratio = ttft[labels[num]] / ttft[labels["d"]]
+            print(f"TTFT ({num})/(d) = {ratio:.2f}x  (strong-scaling efficiency {1 / ratio:.0%})")
 
 
 def run_once(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> dict:
@@ -98,9 +186,19 @@ def main() -> None:
     parser.add_argument(
         "--pp-microbatch-tokens", type=int, default=EngineConfig.pp_microbatch_tokens
     )
-    parser.add_argument("--only", default="abcd", help="which setups to run, e.g. 'bc'")
+    parser.add_argument("--only", default=None, help="which setups to run, e.g. 'bc'")
     parser.add_argument("--trace-dir", default="results", help="traces + timeline PNGs here")
+    parser.add_argument(
+        "--single-request", action="store_true", help="the single-request column (see above)"
+    )
+    parser.add_argument("--single-len", type=int, default=2048)
     args = parser.parse_args()
+    Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+    if args.single_request:
+        args.only = args.only or "def"
+        main_single(args)
+        return
+    args.only = args.only or "abcd"
     setups = [s for s in SETUPS if s.label[0] in args.only]
     Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {s.label: [] for s in setups}

@@ -68,6 +68,12 @@ class EngineConfig:
     # Balanced pipelines: most tokens in one micro-batch. Small micro-batches fill and drain
     # the pipeline quickly, so a stage idles for less time (docs/pipeline.md).
     pp_microbatch_tokens: int = 128
+    # Chunked pipeline parallelism: a prompt's next chunk enters a micro-batch while its earlier
+    # chunks are still in flight, so one long prompt fills every stage (docs/pipeline.md).
+    enable_chunked_pipeline: bool = True
+    # fixed: prompt chunks of the token budget; cost: sized by a fitted chunk-cost model so
+    # that chunks deep into a long prompt shrink and all cost about the same (chunk_cost.py).
+    pp_chunk_sizing: str = "fixed"
     num_threads: int | None = None  # torch threads per stage; default: cores divided by stages
     max_cudagraph_capture_size: int | None = None
     trust_remote_code: bool = False
@@ -114,6 +120,8 @@ class EngineConfig:
             _fail("kv_cache_memory", self.kv_cache_memory, "use a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use a value in (0, 1]")
+        if self.pp_chunk_sizing not in ("fixed", "cost"):
+            _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
         if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
             _fail("pp_microbatch_tokens", self.pp_microbatch_tokens, "use a positive integer")
         if self.num_threads is not None and self.num_threads <= 0:

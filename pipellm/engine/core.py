@@ -14,6 +14,7 @@ from concurrent.futures import Future
 
 from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.chunk_cost import CPU_ATTENTION_SLOWDOWN, ChunkCostModel
 from pipellm.engine.output_processor import TextState
 from pipellm.engine.outputs import EngineOutput
 from pipellm.engine.pipeline_stats import PipelineStats
@@ -52,6 +53,14 @@ def make_executor(config: EngineConfig) -> Executor:
     raise NotImplementedError(f"distributed_executor_backend={backend!r} is not available yet")
 
 
+def chunk_cost_model(config: EngineConfig) -> ChunkCostModel | None:
+    """`--pp-chunk-sizing cost`: the model fitted for this hardware, or the sim backend's."""
+    if config.pp_chunk_sizing != "cost":
+        return None
+    slowdown = 1.0 if config.distributed_executor_backend == "sim" else CPU_ATTENTION_SLOWDOWN
+    return ChunkCostModel.for_model(config.model_config, slowdown)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
@@ -79,6 +88,8 @@ class EngineCore:
                 num_micro_batches=config.pipeline_parallel_size,
                 pp_balance=config.pp_balance,
                 pp_microbatch_tokens=config.pp_microbatch_tokens,
+                enable_chunked_pipeline=config.enable_chunked_pipeline,
+                chunk_cost=chunk_cost_model(config),
             ),
             self.block_manager,
         )

@@ -38,7 +38,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admit)
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
-        self.in_flight = False
+        self.num_in_flight = 0  # in-flight micro-batches holding a chunk of this request
         self.num_tokens_sent = 0  # how many of all_token_ids the stage workers already hold
         self.num_blocks_sent = 0  # likewise for block_ids
         self.num_preemptions = 0
@@ -49,6 +49,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.num_in_flight > 0
 
     @property
     def num_prompt_tokens(self) -> int:
