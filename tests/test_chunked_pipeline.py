@@ -6,7 +6,9 @@ from collections import deque
 import pytest
 
 from pipellm import LLM, SamplingParams
+from pipellm.config import EngineConfig
 from pipellm.engine.chunk_cost import ChunkCostModel
+from pipellm.engine.core import EngineCore
 from pipellm.engine.scheduler_output import SchedulerOutput
 from tests.checkpoints import make_tiny_checkpoint
 from tests.test_scheduler import add, fake_output, make_scheduler, run, two_stage_scheduler
@@ -193,3 +195,27 @@ def test_same_greedy_tokens_with_the_chunked_pipeline_on_and_off(
         assert [o.outputs[0].token_ids for o in outputs] == expected
         if stages > 1:
             assert llm.engine.stats()["pipeline"]["max_queue_depth"] == stages
+
+
+@pytest.mark.parametrize("chunked_pipeline", [True, False])
+def test_sim_one_long_prompt_fills_all_eight_stages(tmp_path, chunked_pipeline):
+    """The batch-queue statistics show it: with the chunked pipeline one prompt keeps eight
+    micro-batches in flight; without it, one."""
+    config = EngineConfig(
+        model=str(make_tiny_checkpoint(tmp_path / "m", num_layers=8)),
+        pipeline_parallel_size=8,
+        pp_microbatch_tokens=32,
+        distributed_executor_backend="sim",
+        enable_chunked_pipeline=chunked_pipeline,
+        sim_speedup=50.0,
+    )
+    core = EngineCore(config)
+    try:
+        core.add_request("long", [7] * 500, SamplingParams(max_tokens=2, ignore_eos=True))
+        while core.has_unfinished_requests():
+            core.step()
+    finally:
+        core.shutdown()
+    summary = core.pipeline_stats.summary()
+    expected = 8 if chunked_pipeline else 1
+    assert summary["max_queue_depth"] == summary["max_micro_batches_per_request"] == expected

@@ -127,6 +127,7 @@ def test_one_long_prompt_is_in_every_in_flight_micro_batch_never_two_sampling(tm
     assert max(len(o) for o in recorder.overlaps) == 1
     assert sum(bool(o) for o in recorder.overlaps) >= 3
     assert not any(recorder.sampling_overlaps)
+    assert recorder.core.pipeline_stats.summary()["max_micro_batches_per_request"] == 4
     busy = run_with_recorder(directory, stages=4, balance=True, prompt_len=40, num=32)
     assert max(busy.depths) == 4 and not any(busy.sampling_overlaps)
 

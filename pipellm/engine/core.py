@@ -138,11 +138,16 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is None:
                 break
+            requests = self.scheduler.requests
             self.pipeline_stats.on_submit(
                 scheduler_output.step_id,
                 len(scheduler_output.requests),
                 scheduler_output.num_tokens,
                 len(self.in_flight) + 1,
+                spread=max(
+                    (requests[r.request_id].num_in_flight for r in scheduler_output.requests),
+                    default=1,
+                ),
             )
             self.in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
         if not self.in_flight:
