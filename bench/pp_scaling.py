@@ -12,6 +12,7 @@ Prints throughput, mean TTFT and stage idle fraction of each (medians) and the r
 --single-request: the single-request column instead. One prompt of --single-len random tokens
 -> 1 token, alone in the engine (time to first token is then the prompt's whole prefill):
   (d) P=1, 2 threads    (e) P=2, chunked pipeline    (f) P=2, --no-enable-chunked-pipeline
+  (g) P=2, chunked pipeline with cost-balanced chunks (--pp-chunk-sizing cost)
 With the chunked pipeline the prompt's chunks are in both stages at once, so P=2 should come
 close to P=1 with the same two cores; without it the stages take turns. Prints the TTFT of
 each (median over --repeats, alternating) and (e)/(d), (f)/(d); strong-scaling efficiency is
@@ -53,6 +54,10 @@ SINGLE_SETUPS = [
     Setup(
         "f: P=2, not chunked",
         dict(pipeline_parallel_size=2, num_threads=1, enable_chunked_pipeline=False),
+    ),
+    Setup(
+        "g: P=2, chunked, cost",
+        dict(pipeline_parallel_size=2, num_threads=1, pp_chunk_sizing="cost"),
     ),
 ]
 
@@ -120,7 +125,7 @@ def main_single(args: argparse.Namespace) -> None:
     for label, rs in results.items():
         print(f"{label:26s} {ttft[label]:14.2f}   " + " ".join(f"{r['ttft_s']:.2f}" for r in rs))
     labels = {s.label[0]: s.label for s in setups}
-    for num in ("e", "f"):
+    for num in ("e", "f", "g"):
         if num in labels and "d" in labels:
             ratio = ttft[labels[num]] / ttft[labels["d"]]
             print(f"TTFT ({num})/(d) = {ratio:.2f}x  (strong-scaling efficiency {1 / ratio:.0%})")
@@ -195,7 +200,7 @@ def main() -> None:
     args = parser.parse_args()
     Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     if args.single_request:
-        args.only = args.only or "def"
+        args.only = args.only or "defg"
         main_single(args)
         return
     args.only = args.only or "abcd"
