@@ -76,7 +76,11 @@ class RayExecutor(Executor):
             first = self.actors[0].open_rendezvous.remote(one_host)
             host, port = self._wait_all([first], "open the rendezvous")[0]
             self._wait_all([a.start.remote(host, port, one_host) for a in self.actors], "start")
-            self.clock_offsets = [_clock_offset(a) for a in self.actors]
+            here = ray.get_runtime_context().get_node_id()
+            self.clock_offsets = [  # a stage on the driver's host shares its clock
+                0.0 if loc.node_id == here else _clock_offset(actor)
+                for actor, loc in zip(self.actors, self.locations, strict=True)
+            ]
         except BaseException:
             self.shutdown()
             raise
