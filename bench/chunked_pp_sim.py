@@ -1,9 +1,10 @@
 """One long prompt through eight modelled stages: chunked pipeline parallelism against the ideal.
 
 The sim backend (docs/simulation.md) at P = 8 with SmolLM2-135M's shapes, stretched to a
-context of 34k tokens (the sim computes nothing, so the model only needs a config): one prompt
-of --prompt-len tokens -> 1 token, alone in the engine. Time to first token, in modelled
-seconds (wall x --sim-speedup), for:
+context of 34k tokens (the sim computes nothing, so the model only needs a config), on the
+virtual clock of `pipellm simulate` (the real engine and scheduler, modelled stages, no
+sleeping): one prompt of --prompt-len tokens -> 1 token, alone in the engine. Time to first
+token, in modelled seconds, for:
   off          --no-enable-chunked-pipeline: one chunk in flight at a time
   fixed N      the chunked pipeline, N-token chunks (--pp-microbatch-tokens N)
   cost N       the chunked pipeline, cost-balanced chunks (--pp-chunk-sizing cost): each costs
@@ -11,7 +12,7 @@ seconds (wall x --sim-speedup), for:
 against the ideal: the whole prompt's work on all stages (as one chunk each, by the sim's own
 cost model) divided by 8, plus the fill of one chunk (a first N-token chunk through 7 stages).
 
-  .venv/bin/python bench/chunked_pp_sim.py [--prompt-len 32768 --sim-speedup 5 --sizes 128,512]
+  .venv/bin/python bench/chunked_pp_sim.py [--prompt-len 32768 --sizes 128,512]
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.checkpoints
@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.checkpoint
 from pipellm.config import EngineConfig  # noqa: E402
 from pipellm.engine.core import EngineCore  # noqa: E402
 from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from pipellm.executor.sim import StageCostModel  # noqa: E402
+from pipellm.executor.sim import VirtualSimExecutor  # noqa: E402
 from pipellm.sampling_params import SamplingParams  # noqa: E402
+from pipellm.sim.clock import VirtualClock  # noqa: E402
 from tests.checkpoints import make_tiny_checkpoint  # noqa: E402
 
 STAGES = 8
@@ -63,42 +64,40 @@ def engine_config(model: str, args: argparse.Namespace, **overrides) -> EngineCo
         max_model_len=args.prompt_len + 16,
         enable_prefix_caching=False,
         kv_cache_memory=64 << 30,  # bookkeeping only: the sim allocates no cache
-        sim_speedup=args.sim_speedup,
         **overrides,
     )
 
 
 def ttft(config: EngineConfig, prompt_len: int, trace: str | None = None) -> tuple[float, dict]:
     config.trace_file = trace
-    core = EngineCore(config)
+    clock = VirtualClock()
+    core = EngineCore(config, VirtualSimExecutor(config, clock), clock=clock.time)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     try:
-        started = time.perf_counter()
+        started = clock.time()
         core.add_request("long", [7] * prompt_len, params)
         while core.has_unfinished_requests():
             core.step()
-        seconds = (time.perf_counter() - started) * config.sim_speedup
+        seconds = clock.time() - started
     finally:
         core.shutdown()
-    summary = core.pipeline_stats.summary()
-    return seconds, summary
+    return seconds, core.pipeline_stats.summary()
 
 
 def ideal(config: EngineConfig, prompt_len: int, chunk: int) -> float:
-    costs = [StageCostModel.for_stage(config, s, 1.0) for s in range(STAGES)]
+    executor = VirtualSimExecutor(config, VirtualClock())
     whole = SchedulerOutput(0, [ScheduledRequest("p", 0, prompt_len, [], [], sample=True)])
     first = SchedulerOutput(0, [ScheduledRequest("p", 0, chunk, [], [])])
-    work = sum(c.seconds(whole) for c in costs)
-    return work / STAGES + sum(c.seconds(first) for c in costs[:-1])
+    work = sum(executor.step_times(whole)[0])
+    return work / STAGES + sum(executor.step_times(first)[0][:-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-len", type=int, default=32768)
-    parser.add_argument("--sim-speedup", type=float, default=5.0)
     parser.add_argument("--sizes", default="128,512", help="chunk budgets (tokens) to compare")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--skip-off", action="store_true", help="skip the slow 'off' run")
+    parser.add_argument("--repeats", type=int, default=1, help="the virtual clock is exact")
+    parser.add_argument("--skip-off", action="store_true", help="skip the 'off' run")
     parser.add_argument("--trace-dir", default="results")
     args = parser.parse_args()
     Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
@@ -113,8 +112,6 @@ def main() -> None:
         stats: dict[str, dict] = {}
         for repeat in range(args.repeats):
             for label, overrides, _ in setups:
-                if label == "off" and repeat > 0:
-                    continue  # ~8x slower than the rest and far from them: once is enough
                 trace = None
                 if repeat == 0:
                     trace = f"{args.trace_dir}/chunked_pp_sim_{label.replace(' ', '_')}.trace.json"
