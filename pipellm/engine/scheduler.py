@@ -4,11 +4,11 @@ Each call to `schedule()` forms one micro-batch. A request's `num_computed_token
 when it is scheduled. A request whose next step samples (a decode, or the last chunk of its
 prompt) waits until its in-flight micro-batch is applied, so it is in at most one sampling
 micro-batch at a time. The chunks of a prompt before the last sample nothing, so with the
-chunked pipeline (`enable_chunked_pipeline`, on by default) the next one goes into a new micro-batch
-while earlier ones are still in flight: every stage runs micro-batches in submission order, so
-chunk k has written its KV on a stage before chunk k+1 reaches that stage. One long prompt then
-fills every stage (SGLang calls this chunked pipeline parallelism). With it off, a request is
-in at most one in-flight micro-batch, as before.
+chunked pipeline (`enable_chunked_pipeline`, on by default) the next one goes into a new
+micro-batch while earlier ones are still in flight: every stage runs micro-batches in
+submission order, so chunk k has written its KV on a stage before chunk k+1 reaches that
+stage. One long prompt then fills every stage (SGLang calls this chunked pipeline
+parallelism). With it off, a request is in at most one in-flight micro-batch, as before.
 """
 
 from __future__ import annotations
