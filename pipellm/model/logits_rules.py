@@ -120,8 +120,9 @@ def _ends_with(row: RowRules, prefix: list[int]) -> bool:
 
 
 def _apply_penalties(logits: torch.Tensor, indices: list[int], rows: list[RowRules]) -> None:
+    every_row = len(indices) == logits.shape[0]  # then in place: no gather, no scatter back
     index = torch.tensor(indices)
-    sub = logits[index]
+    sub = logits if every_row else logits[index]
     counts = torch.stack([row.counts.output_counts for row in rows])
     seen = torch.stack([row.counts.seen for row in rows])
 
@@ -139,4 +140,5 @@ def _apply_penalties(logits: torch.Tensor, indices: list[int], rows: list[RowRul
     if any(row.params.presence_penalty != 0.0 for row in rows):
         present = torch.stack([row.counts.output_present for row in rows])
         sub.addcmul_(present, column("presence_penalty"), value=-1.0)
-    logits[index] = sub
+    if not every_row:
+        logits[index] = sub
