@@ -64,7 +64,7 @@ def test_sampling_params_reject_bad_values():
         dict(top_p=0),
         dict(top_k=-3),
         dict(max_tokens=0),
-        dict(n=2),
+        dict(n=0),
         dict(min_p=2),
         dict(logprobs=50),
     ):

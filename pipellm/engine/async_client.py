@@ -68,7 +68,7 @@ class AsyncEngineClient:
                 if isinstance(item, BaseException):
                     finished = True  # nothing left to abort
                     raise item
-                finished = item.finished
+                finished = item.request_finished
                 yield item
         finally:
             del self._queues[request_id]

@@ -111,6 +111,7 @@ class EngineCore:
         self.batch_queue_depth = self.executor.num_stages
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         self.texts: dict[str, TextState] = {}
+        self.samples: dict[str, list[str]] = {}  # request id -> its unfinished samples' ids
         self.pipeline_stats = PipelineStats(self.executor.num_stages, clock=clock)
         self._last_log = clock()
         self.num_prompt_tokens = 0  # counters for metrics: prompt tokens admitted
@@ -137,14 +138,39 @@ class EngineCore:
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             vocab,
         )
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
-        self.scheduler.add_request(request)
+        if request_id in self.samples:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            requests = [Request(request_id, prompt_token_ids, params, self.eos_token_ids)]
+        else:
+            # n parallel samples, named as vLLM names them; all but the first fork its prompt.
+            first = None
+            requests = []
+            for index in range(params.n):
+                request = Request(
+                    f"{index}_{request_id}",
+                    prompt_token_ids,
+                    params.for_sample(index),
+                    self.eos_token_ids,
+                    parent_id=request_id,
+                    index=index,
+                    fork_from=first,
+                )
+                first = first or request
+                requests.append(request)
+        for request in requests:
+            self.scheduler.add_request(request)
+            self.texts[request.request_id] = TextState(
+                self.tokenizer, prompt_token_ids, request.sampling_params
+            )
+        self.samples[request_id] = [r.request_id for r in requests]
         self.num_prompt_tokens += len(prompt_token_ids)
-        self.texts[request_id] = TextState(self.tokenizer, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id, "abort")
-        self.texts.pop(request_id, None)
+        """Aborts a request (all of its samples, for n > 1)."""
+        for sample_id in self.samples.pop(request_id, []):
+            self.scheduler.finish_request(sample_id, "abort")
+            self.texts.pop(sample_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -226,9 +252,18 @@ class EngineCore:
                 request.finish_reason, request.stop_reason = "stop", stop_string
                 self.scheduler.finish_request(request.request_id, "stop")
             finished = request.is_finished
+            request_finished = False
+            if finished:
+                samples = self.samples[request.parent_id]
+                samples.remove(request.request_id)
+                request_finished = not samples
+                if request_finished:
+                    del self.samples[request.parent_id]
             outputs.append(
                 EngineOutput(
-                    request_id=request.request_id,
+                    request_id=request.parent_id,
+                    index=request.index,
+                    request_finished=request_finished,
                     new_token_ids=[update.token_id],
                     new_text=delta,
                     finished=finished,

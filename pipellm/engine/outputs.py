@@ -14,7 +14,9 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    finished: bool
+    finished: bool  # this sample is done
+    index: int = 0  # which of the request's n samples
+    request_finished: bool = False  # all n samples are done: the request's last output
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     new_logprobs: list[Logprobs] | None = None

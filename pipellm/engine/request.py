@@ -25,8 +25,17 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
+        fork_from: Request | None = None,
     ) -> None:
         self.request_id = request_id
+        # One of n parallel samples: the API's request id and this sample's index; the samples
+        # after the first take the first one's full prompt blocks (`fork_from`) instead of
+        # computing the prompt again.
+        self.parent_id = request_id if parent_id is None else parent_id
+        self.index = index
+        self.fork_from = fork_from
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

@@ -246,8 +246,12 @@ class Scheduler:
         while self.waiting and budget > 0:
             if len(self.running) >= cfg.max_num_seqs or num_admitted >= self._admission_limit():
                 break
-            request = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(request)
+            request = next((r for r in self.waiting if not self._waits_for_fork(r)), None)
+            if request is None:
+                break
+            cached = self._fork_blocks(request)
+            if cached is None:
+                cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = self._take(
                 num_cached_tokens, request.num_tokens - num_cached_tokens, budget, not chunks
@@ -259,7 +263,7 @@ class Scheduler:
             extra = bm.blocks_needed(num_cached_tokens + num_new) - len(cached)
             if not bm.can_allocate(newly_taken + extra):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             bm.take_cached_prefix(request, cached)
             assert bm.allocate_slots(request, num_new)
             if request.num_preemptions == 0:
@@ -274,6 +278,30 @@ class Scheduler:
         if not chunks:
             return None
         return self._make_output(chunks)
+
+    def _num_fork_blocks(self, request: Request) -> int:
+        """Full prompt blocks a parallel sample can share with the first sample (at least one
+        prompt token is left to compute, for the logits); 0 when it cannot fork."""
+        parent = request.fork_from
+        if parent is None or request.sampling_params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt row computed
+        if parent.status != RequestStatus.RUNNING or request.num_output_tokens:
+            return 0  # the first sample finished or was preempted; resumed samples recompute
+        return (request.num_prompt_tokens - 1) // self.block_manager.block_size
+
+    def _waits_for_fork(self, request: Request) -> bool:
+        """A parallel sample waits until the first sample's prompt blocks were scheduled in an
+        earlier micro-batch: stages run micro-batches in order, so it then reads them written.
+        """
+        num_blocks = self._num_fork_blocks(request)
+        return num_blocks > 0 and (
+            request.fork_from.num_computed_tokens < num_blocks * self.block_manager.block_size
+        )
+
+    def _fork_blocks(self, request: Request) -> list[int] | None:
+        """The first sample's prompt blocks this sample shares (ref counts), or None."""
+        num_blocks = self._num_fork_blocks(request)
+        return request.fork_from.block_ids[:num_blocks] if num_blocks else None
 
     def _make_output(self, chunks: list[tuple[Request, int, bool]]) -> SchedulerOutput:
         scheduled = []

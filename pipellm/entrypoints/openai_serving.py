@@ -76,7 +76,7 @@ class OpenAIServing:
                 echoed = prompt_logprobs or [None] * len(prompt_ids)
                 pairs = list(zip(prompt_ids, echoed, strict=True)) + pairs
             out = {
-                "index": 0,
+                "index": outs[0].index if outs else 0,
                 "text": text,
                 "logprobs": self._completion_logprobs(pairs)
                 if request.logprobs is not None
@@ -91,7 +91,8 @@ class OpenAIServing:
             return _sse(reply.stream(outputs, [], choice, request.include_usage))
         outs = await _unless_disconnected(raw, _collect(outputs))
         num_tokens = 0 if request.echo_only else _num_tokens(outs)
-        return JSONResponse(reply.whole(num_tokens, choice(outs, outs[-1])))
+        choices = [choice(sample, sample[-1]) for sample in _by_sample(outs, params.n)]
+        return JSONResponse(reply.whole(num_tokens, choices))
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self._check_request(request)
@@ -120,18 +121,30 @@ class OpenAIServing:
 
             def delta(outs: list[EngineOutput], finished: EngineOutput | None) -> Chunk:
                 return {
-                    "index": 0,
+                    "index": outs[0].index,
                     "delta": {"content": "".join(o.new_text for o in outs)},
                     "logprobs": logprobs(outs),
                     **_finish(finished),
                 }
 
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            return _sse(reply.stream(outputs, [role], delta, request.include_usage))
+            roles = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                for i in range(params.n)
+            ]
+            return _sse(reply.stream(outputs, roles, delta, request.include_usage))
         outs = await _unless_disconnected(raw, _collect(outputs))
-        message = {"role": "assistant", "content": "".join(o.new_text for o in outs)}
-        choice = {"index": 0, "message": message, "logprobs": logprobs(outs), **_finish(outs[-1])}
-        body = reply.whole(_num_tokens(outs), choice)
+
+        def choice(sample: list[EngineOutput]) -> Chunk:
+            message = {"role": "assistant", "content": "".join(o.new_text for o in sample)}
+            return {
+                "index": sample[0].index,
+                "message": message,
+                "logprobs": logprobs(sample),
+                **_finish(sample[-1]),
+            }
+
+        choices = [choice(sample) for sample in _by_sample(outs, params.n)]
+        body = reply.whole(_num_tokens(outs), choices)
         prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None)
         if prompt_logprobs is not None:  # vLLM puts it beside the choices in chat replies
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_ids, prompt_logprobs)
@@ -296,8 +309,8 @@ class _Reply:
             "total_tokens": self.num_prompt_tokens + num_tokens,
         }
 
-    def whole(self, num_tokens: int, choice: Chunk) -> Chunk:
-        return self._envelope([choice], self.usage(num_tokens))
+    def whole(self, num_tokens: int, choices: list[Chunk]) -> Chunk:
+        return self._envelope(choices, self.usage(num_tokens))
 
     async def stream(
         self,
@@ -363,6 +376,14 @@ def _finish(out: EngineOutput | None) -> Chunk:
     if out is None:
         return {"finish_reason": None}
     return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+
+def _by_sample(outs: list[EngineOutput], n: int) -> list[list[EngineOutput]]:
+    """A request's outputs split by sample index (each sample has at least one)."""
+    samples: list[list[EngineOutput]] = [[] for _ in range(n)]
+    for out in outs:
+        samples[out.index].append(out)
+    return samples
 
 
 def _num_tokens(outs: list[EngineOutput]) -> int:
