@@ -246,6 +246,11 @@ def _clock_offset(read_clock: Callable[[], float]) -> float:
 
 def _cause(error: BaseException) -> str:
     """The stage's own exception where Ray wrapped one, else Ray's message, in one line."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    if isinstance(error, ActorDiedError | ActorUnavailableError):
+        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        return f"its Ray actor is gone: the stage process or its host died ({detail})"
     cause = getattr(error, "cause", None)
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {cause}"
