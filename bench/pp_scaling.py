@@ -5,9 +5,14 @@ SmolLM2-135M, max_num_seqs 8, NUM requests of INPUT random tokens -> OUTPUT new 
 run alternately A B C D A B C D ... so machine noise hits all of them alike:
   (a) P=1, 1 thread          (b) P=2, --no-pp-balance (the seed's "before")
   (c) P=2, balanced          (d) P=1, 2 threads
+Cluster columns, on a real two-host Ray cluster (--two-hosts builds one on this machine: two
+network namespaces joined by a veth pair, a Ray node with 1 CPU in each; root needed), one
+stage per host:
+  (e) P=2 across hosts, balanced    (f) P=2 across hosts, --no-pp-balance
 Prints throughput, mean TTFT and stage idle fraction of each (medians) and the ratios.
 
   .venv/bin/python bench/pp_scaling.py [--num-prompts 32 --input-len 1024 --output-len 32]
+  .venv/bin/python bench/pp_scaling.py --two-hosts --only cef
 
 --single-request: the single-request column instead. One prompt of --single-len random tokens
 -> 1 token, alone in the engine (time to first token is then the prompt's whole prefill):
@@ -24,8 +29,10 @@ each (median over --repeats, alternating) and (e)/(d), (f)/(d); strong-scaling e
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +40,8 @@ from pathlib import Path
 from pipellm.config import EngineConfig
 from pipellm.engine.core import EngineCore
 from pipellm.sampling_params import SamplingParams
+
+ON_CLUSTER = dict(distributed_executor_backend="ray")  # joins RAY_ADDRESS's cluster
 
 
 @dataclass
@@ -46,6 +55,11 @@ SETUPS = [
     Setup("b: P=2, no balance", dict(pipeline_parallel_size=2, num_threads=1, pp_balance=False)),
     Setup("c: P=2, balanced", dict(pipeline_parallel_size=2, num_threads=1)),
     Setup("d: P=1, 2 threads", dict(pipeline_parallel_size=1, num_threads=2)),
+    Setup("e: 2 hosts, balanced", dict(pipeline_parallel_size=2, num_threads=1, **ON_CLUSTER)),
+    Setup(
+        "f: 2 hosts, no balance",
+        dict(pipeline_parallel_size=2, num_threads=1, pp_balance=False, **ON_CLUSTER),
+    ),
 ]
 
 SINGLE_SETUPS = [
@@ -201,6 +215,11 @@ def main() -> None:
         "--single-request", action="store_true", help="the single-request column (see above)"
     )
     parser.add_argument("--single-len", type=int, default=2048)
+    parser.add_argument(
+        "--two-hosts",
+        action="store_true",
+        help="build a two-host Ray cluster on this machine (network namespaces) for (e), (f)",
+    )
     args = parser.parse_args()
     Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     if args.single_request:
@@ -209,7 +228,15 @@ def main() -> None:
         return
     args.only = args.only or "abcd"
     setups = [s for s in SETUPS if s.label[0] in args.only]
-    Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+    on_cluster = any(s.engine_args.get("distributed_executor_backend") for s in setups)
+    if args.two_hosts and not os.environ.get("RAY_ADDRESS"):
+        from pipellm.bench.netns_cluster import TwoHostCluster
+
+        with TwoHostCluster(num_cpus=1) as cluster:  # run all setups on its first host
+            argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+            sys.exit(cluster.exec(0, argv, env=cluster.driver_env()).returncode)
+    if on_cluster and not os.environ.get("RAY_ADDRESS"):
+        parser.error("setups (e) and (f) need a Ray cluster: set RAY_ADDRESS, or --two-hosts")
     results: dict[str, list[dict]] = {s.label: [] for s in setups}
     for repeat in range(args.repeats):
         for setup in setups:
@@ -249,7 +276,7 @@ def main() -> None:
             f"{' '.join(f'{x:.1%}' for x in idle):>14s}"
         )
     labels = {s.label[0]: s.label for s in setups}
-    for num, den in (("c", "b"), ("c", "a"), ("c", "d")):
+    for num, den in (("c", "b"), ("c", "a"), ("c", "d"), ("e", "f"), ("e", "c")):
         if num in labels and den in labels:
             ratio = median(labels[num], "total_tok_s") / median(labels[den], "total_tok_s")
             print(f"throughput ({num})/({den}) = {ratio:.2f}x")
