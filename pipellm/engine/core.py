@@ -108,9 +108,10 @@ class EngineCore:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+        text = TextState(self.tokenizer, prompt_token_ids, params)  # may fail: nothing added yet
         self.scheduler.add_request(request)
         self.num_prompt_tokens += len(prompt_token_ids)
-        self.texts[request_id] = TextState(self.tokenizer, prompt_token_ids, params)
+        self.texts[request_id] = text
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, "abort")
@@ -183,10 +184,21 @@ class EngineCore:
     ) -> list[EngineOutput]:
         outputs = []
         for update in self.scheduler.update_from_output(scheduler_output, model_output):
-            self.num_generation_tokens += 1
             request = update.request
+            if update.error is not None:
+                outputs.append(self._failed(request, update.error))
+                continue
+            self.num_generation_tokens += 1
             text = self.texts[request.request_id]
-            delta, stop_string = text.push(update.token_id, update.finished)
+            try:
+                delta, stop_string = text.push(update.token_id, update.finished)
+            except Exception as error:  # fail this request only; the log keeps the traceback
+                logger.exception("detokenizing request %s failed", request.request_id)
+                self.scheduler.finish_request(request.request_id, "error")
+                outputs.append(
+                    self._failed(request, f"detokenizing failed: {type(error).__name__}")
+                )
+                continue
             if stop_string is not None and not update.finished:
                 request.finish_reason, request.stop_reason = "stop", stop_string
                 self.scheduler.finish_request(request.request_id, "stop")
@@ -207,6 +219,19 @@ class EngineCore:
             if finished:
                 del self.texts[request.request_id]
         return outputs
+
+    def _failed(self, request: Request, error: str) -> EngineOutput:
+        """The last output of a request that failed inside the engine."""
+        self.texts.pop(request.request_id, None)
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=request.num_prompt_tokens,
+            error=error,
+        )
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -15,11 +15,14 @@ class EngineOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     new_logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Set with finish_reason "error": this request failed inside the engine (one line, no
+    # traceback; the engine's log has it); the other requests carry on.
+    error: str | None = None
 
 
 @dataclass

@@ -7,6 +7,7 @@ itself receives hidden states from the previous stage and sends its own to the n
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections import deque
 
@@ -30,7 +31,7 @@ class PipelineStage:
         backend = "nccl" if DEVICE == "cuda" else "gloo"
         dist.init_process_group(
             backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=_loopback_store(rank, self.num_stages, port),
             rank=rank,
             world_size=self.num_stages,
         )
@@ -72,3 +73,20 @@ class PipelineStage:
         ):
             for work in self.pending_sends.popleft()[0]:
                 work.wait()
+
+
+def _loopback_store(rank: int, world_size: int, port: int) -> dist.TCPStore:
+    """The rendezvous store, its server on 127.0.0.1 only.
+
+    NOTE: TCPStore's server listens on every interface (0.0.0.0 and ::) whatever host an
+    init_method names; an unauthenticated store reachable from the network lets anyone join
+    or disturb the pipeline. Stage 0 binds the listening socket itself and hands it over.
+    """
+    host = "127.0.0.1"
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(world_size)
+    return dist.TCPStore(host, port, world_size, is_master=True, master_listen_fd=listener.detach())

@@ -100,13 +100,13 @@ class StageWorker:
         if not self.is_last:
             return hidden
         sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
-        tokens, logprobs = [], None
+        tokens, logprobs, failed = [], None, {}
         if sampled:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             items = [scheduler_output.requests[i] for i in sampled]
             params = [self.runner.requests[item.request_id].sampling_params for item in items]
             positions = [item.num_output_tokens for item in items]
-            tokens, logprobs = sample(logits, params, positions, self.generator)
+            tokens, logprobs, failed = sample(logits, params, positions, self.generator)
             if all(lp is None for lp in logprobs):
                 logprobs = None
-        return ModelOutput(scheduler_output.step_id, tokens, logprobs)
+        return ModelOutput(scheduler_output.step_id, tokens, logprobs, failed=failed)
