@@ -10,6 +10,10 @@ import time
 
 import psutil
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
 from pipellm.entrypoints.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
@@ -23,6 +27,8 @@ MAX_STOP_CHARS = 16
 FLAGS = [
     "-pp",
     "2",
+    "--max-model-len",  # keeps the fuzz run's generations short
+    "128",
     "--kv-cache-memory",
     str(16 * 2**20),
     "--max-request-body-bytes",
@@ -191,4 +197,43 @@ def test_no_traceback_in_any_error_body(server):
     for status, body in replies:
         assert 400 <= status < 500
         assert b"Traceback" not in body and b'File "' not in body
+    assert_serves_a_chat(server)
+
+
+# ---- fuzzing from the server's own OpenAPI schema -----------------------------------------------
+
+FUZZ_CASES = {"POST": 40, "GET": 5}  # per operation; bounded so the run stays short
+
+
+def test_fuzz_from_the_openapi_schema_never_gets_a_5xx(server):
+    """Bodies that fit the schema (positive) and bodies that break it (negative)."""
+    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+    tried: list[str] = []
+    server_errors: list[str] = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        cases = st.one_of(
+            operation.as_strategy(GenerationMode.POSITIVE),
+            operation.as_strategy(GenerationMode.NEGATIVE),
+        )
+
+        @given(case=cases)
+        @settings(
+            max_examples=FUZZ_CASES[operation.method.upper()],
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        def run(case: schemathesis.Case) -> None:
+            response = case.call(base_url=server.base_url, timeout=60)
+            tried.append(case.operation.label)
+            text = response.text
+            if response.status_code >= 500 or "Traceback" in text:
+                server_errors.append(f"{response.status_code} {case.as_curl_command()}: {text}")
+
+        run()
+    print(f"fuzz: {len(tried)} cases, {len(server_errors)} with a 5xx or a traceback")
+    assert len(tried) >= 80
+    assert server_errors == []
     assert_serves_a_chat(server)

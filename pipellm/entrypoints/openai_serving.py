@@ -130,23 +130,26 @@ class OpenAIServing:
         self._check_stop(request)
 
     def _check_stop(self, request: GenerationRequest) -> None:
-        """Stop strings are searched after every token: their number and length are capped."""
+        """Stop strings are searched after every token, bad words tokenized in the engine
+        core's loop: their number and length are capped."""
         limits = self.limits
         stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
-        for name, values in (("stop", stop), ("stop_token_ids", request.stop_token_ids or [])):
+        lists = {"stop": stop, "bad_words": request.bad_words or []}
+        for name, values in {**lists, "stop_token_ids": request.stop_token_ids or []}.items():
             if len(values) > limits.max_stop_strings:
                 raise OpenAIError(
                     f"{name} has {len(values)} entries, over the limit of "
                     f"{limits.max_stop_strings} (--max-stop-strings)",
                     param=name,
                 )
-        longest = max((len(s) for s in stop), default=0)
-        if longest > limits.max_stop_string_chars:
-            raise OpenAIError(
-                f"a stop string has {longest} characters, over the limit of "
-                f"{limits.max_stop_string_chars} (--max-stop-string-chars)",
-                param="stop",
-            )
+        for name, strings in lists.items():
+            longest = max((len(s) for s in strings), default=0)
+            if longest > limits.max_stop_string_chars:
+                raise OpenAIError(
+                    f"a string in {name} has {longest} characters, over the limit of "
+                    f"{limits.max_stop_string_chars} (--max-stop-string-chars)",
+                    param=name,
+                )
 
     async def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         """Token ids of a prompt, refused before tokenizing if it cannot fit the context."""

@@ -7,8 +7,8 @@ whose message names the flag. What they guard against:
 - a client that never finishes its request, holding a connection and its task forever (the
   "slowloris" attack): the headers and then the body must each arrive within
   --request-read-timeout (408);
-- stop strings that are many or long, searched after every token (--max-stop-strings,
-  --max-stop-string-chars);
+- stop strings that are many or long, searched after every token, and bad words, tokenized
+  in the engine core's loop (--max-stop-strings, --max-stop-string-chars);
 - a prompt so long that tokenizing it costs seconds of CPU before the context-length check
   (--max-prompt-chars, checked before tokenizing; see `prompt_chars_bound`).
 """
@@ -79,13 +79,13 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         "--max-stop-strings",
         type=int,
         default=defaults.max_stop_strings,
-        help="most stop strings, and most stop_token_ids, per request; default %(default)s",
+        help="most stop strings (and stop_token_ids, bad_words) per request; default %(default)s",
     )
     g.add_argument(
         "--max-stop-string-chars",
         type=int,
         default=defaults.max_stop_string_chars,
-        help="longest stop string in characters; default %(default)s",
+        help="longest stop string (or bad word) in characters; default %(default)s",
     )
     g.add_argument(
         "--max-prompt-chars",

@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from pipellm.model.logits_rules import RowRules, apply_logits_rules
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,19 +61,25 @@ def sample(
     params: list[SamplingParams],
     positions: list[int],
     generator: torch.Generator,
+    rules: list[RowRules | None] | None = None,
 ) -> tuple[list[int], list[Logprobs | None], dict[int, str]]:
-    """logits: [S, V] float32; one SamplingParams and output position per row.
+    """logits: [S, V] float32; one SamplingParams and output position per row; `rules` gives
+    the rows with logits rules (penalties, logit_bias, ...) what they read. Logprobs are the
+    raw model's, as vLLM reports by default.
 
     Returns tokens, logprobs, and {row: error} for rows whose sampling raised: one request's
     failure must fail that request only, never the stage that serves every other one.
     """
-    tokens = logits.argmax(-1).tolist()  # greedy rows are done here, in one call
-    logprobs: list[Logprobs | None] = [None] * len(params)
     failed: dict[int, str] = {}
+    processed = _apply_rules(logits, rules, failed) if rules else logits
+    tokens = processed.argmax(-1).tolist()  # greedy rows are done here, in one call
+    logprobs: list[Logprobs | None] = [None] * len(params)
     for row, p in enumerate(params):
+        if row in failed:
+            continue
         try:
             if not p.greedy:
-                tokens[row] = _random_token(logits[row], p, positions[row], generator)
+                tokens[row] = _random_token(processed[row], p, positions[row], generator)
             if p.logprobs is not None:
                 logprobs[row] = _logprobs(logits[row], tokens[row], p.logprobs)
         except Exception as error:
@@ -89,3 +96,22 @@ def _logprobs(logits: torch.Tensor, token: int, num_top: int) -> Logprobs:
         top = row.topk(num_top)
         pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
     return float(row[token]), pairs
+
+
+def _apply_rules(
+    logits: torch.Tensor, rules: list[RowRules | None], failed: dict[int, str]
+) -> torch.Tensor:
+    """The logits rules of the whole batch at once; if that raises, row by row, so that only
+    the rows whose rules raise fail (marked in `failed`, their raw logits kept)."""
+    try:
+        return apply_logits_rules(logits, rules)
+    except Exception:
+        logger.exception("logits rules failed for a micro-batch; retrying row by row")
+    rows = []
+    for row, rule in enumerate(rules):
+        try:
+            rows.append(apply_logits_rules(logits[row : row + 1], [rule]))
+        except Exception as error:
+            failed[row] = f"applying logits rules failed: {type(error).__name__}"
+            rows.append(logits[row : row + 1])
+    return torch.cat(rows)
