@@ -20,6 +20,8 @@ class EngineOutput:
     new_logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # With prompt_logprobs, on a request's first output: one per prompt token, the first None.
+    prompt_logprobs: list[Logprobs | None] | None = None
     # Set with finish_reason "error": this request failed inside the engine (one line, no
     # traceback; the engine's log has it); the other requests carry on.
     error: str | None = None
@@ -43,3 +45,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None

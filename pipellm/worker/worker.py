@@ -12,6 +12,7 @@ from pipellm.engine.scheduler_output import ModelOutput, ScheduledRequest, Sched
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
 from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
+from pipellm.model.prompt_logprobs import prompt_logprobs
 from pipellm.model.sampler import sample
 from pipellm.model.weights import iter_quantized_weights, iter_weights
 from pipellm.sampling_params import SamplingParams
@@ -104,6 +105,9 @@ class StageWorker:
         hidden = self.model(input_ids if self.is_first else hidden_in, batch, self.kv_caches)
         if not self.is_last:
             return hidden
+        prompt = prompt_logprobs(
+            scheduler_output, batch, hidden, self.runner.requests, self.model.compute_logits
+        )
         sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
         tokens, logprobs, failed = [], None, {}
         if sampled:
@@ -115,7 +119,9 @@ class StageWorker:
             tokens, logprobs, failed = sample(logits, params, positions, self.generator, rules)
             if all(lp is None for lp in logprobs):
                 logprobs = None
-        return ModelOutput(scheduler_output.step_id, tokens, logprobs, failed=failed)
+        return ModelOutput(
+            scheduler_output.step_id, tokens, logprobs, prompt_logprobs=prompt, failed=failed
+        )
 
     def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
         if not params.has_logits_rules:
