@@ -149,6 +149,7 @@ def test_seed_command_line_starts_and_sigterm_reaps_everything(tmp_path_factory)
         (["--max-model-len", "100000"], "max_model_len=100000"),
         (["-pp", "2", "--pp-microbatch-tokens", "0"], "pp_microbatch_tokens=0"),
         (["--port", "70000"], "--port 70000"),
+        (["--max-request-body-bytes", "0"], "--max-request-body-bytes 0"),
         (["--distributed-executor-backend", "nope"], "invalid choice"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
