@@ -158,11 +158,14 @@ class EngineCore:
                 )
                 first = first or request
                 requests.append(request)
+        # Text states first: making one may fail, and then nothing has been added yet.
+        texts = {
+            r.request_id: TextState(self.tokenizer, prompt_token_ids, r.sampling_params)
+            for r in requests
+        }
         for request in requests:
             self.scheduler.add_request(request)
-            self.texts[request.request_id] = TextState(
-                self.tokenizer, prompt_token_ids, request.sampling_params
-            )
+        self.texts.update(texts)
         self.samples[request_id] = [r.request_id for r in requests]
         self.num_prompt_tokens += len(prompt_token_ids)
 
@@ -244,10 +247,21 @@ class EngineCore:
     ) -> list[EngineOutput]:
         outputs = []
         for update in self.scheduler.update_from_output(scheduler_output, model_output):
-            self.num_generation_tokens += 1
             request = update.request
+            if update.error is not None:
+                outputs.append(self._failed(request, update.error))
+                continue
+            self.num_generation_tokens += 1
             text = self.texts[request.request_id]
-            delta, stop_string = text.push(update.token_id, update.finished)
+            try:
+                delta, stop_string = text.push(update.token_id, update.finished)
+            except Exception as error:  # fail this request only; the log keeps the traceback
+                logger.exception("detokenizing request %s failed", request.request_id)
+                self.scheduler.finish_request(request.request_id, "error")
+                outputs.append(
+                    self._failed(request, f"detokenizing failed: {type(error).__name__}")
+                )
+                continue
             if stop_string is not None and not update.finished:
                 request.finish_reason, request.stop_reason = "stop", stop_string
                 self.scheduler.finish_request(request.request_id, "stop")
@@ -280,6 +294,26 @@ class EngineCore:
             if finished:
                 del self.texts[request.request_id]
         return outputs
+
+    def _failed(self, request: Request, error: str) -> EngineOutput:
+        """The last output of a request that failed inside the engine; for n > 1 the failure
+        ends the whole request, so its other samples are aborted."""
+        self.texts.pop(request.request_id, None)
+        for sample_id in self.samples.pop(request.parent_id, []):
+            if sample_id != request.request_id:
+                self.scheduler.finish_request(sample_id, "abort")
+                self.texts.pop(sample_id, None)
+        return EngineOutput(
+            request_id=request.parent_id,
+            index=request.index,
+            request_finished=True,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=request.num_prompt_tokens,
+            error=error,
+        )
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -51,7 +51,7 @@ class Request:
         self.num_tokens_sent = 0  # how many of all_token_ids the stage workers already hold
         self.num_blocks_sent = 0  # likewise for block_ids
         self.num_preemptions = 0
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stop_reason: int | str | None = None
         self.aborted = False
         # With prompt_logprobs: one entry per prompt token, filled as its chunks return.

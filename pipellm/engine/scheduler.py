@@ -45,6 +45,7 @@ class TokenUpdate:
     token_id: int
     logprobs: tuple[float, list[tuple[int, float]]] | None
     finished: bool
+    error: str | None = None  # this request failed (token_id is then meaningless)
 
 
 class Scheduler:
@@ -347,12 +348,12 @@ class Scheduler:
         self.num_in_flight_work -= self._output_work(scheduler_output)
         self.num_in_flight_batches -= 1
         updates = []
-        sampled = iter(model_output.sampled_token_ids)
+        sampled = iter(enumerate(model_output.sampled_token_ids))
         logprobs = iter(model_output.logprobs or [])
         prompt_logprobs = model_output.prompt_logprobs or {}
         for item in scheduler_output.requests:
             request = self.requests.get(item.request_id)
-            token_id = next(sampled) if item.sample else None
+            row, token_id = next(sampled) if item.sample else (None, None)
             token_logprobs = next(logprobs, None) if item.sample else None
             if request is None:
                 continue
@@ -368,6 +369,11 @@ class Scheduler:
             computed = item.num_computed_tokens + item.num_scheduled_tokens
             self.block_manager.cache_full_blocks(request, computed)
             if token_id is None:
+                continue
+            if row in model_output.failed:
+                request.finish_reason = "error"
+                updates.append(TokenUpdate(request, token_id, None, True, model_output.failed[row]))
+                self._release(request)
                 continue
             request.append_output_token(token_id)
             finished = request.check_token_stop(self.config.max_model_len)

@@ -61,3 +61,5 @@ class ModelOutput:
     )
     # Per stage: (start, end) wall-clock times of this micro-batch's compute (time.time()).
     stage_times: list[tuple[float, float]] = field(default_factory=list)
+    # Sampled requests whose sampling raised, by index in sampled_token_ids: why, in one line.
+    failed: dict[int, str] = field(default_factory=dict)

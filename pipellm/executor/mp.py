@@ -12,6 +12,7 @@ stage to be ready (isend). The engine never waits on a stage except through a fu
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -27,6 +28,8 @@ from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.net import LOOPBACK, free_port
 from pipellm.executor.pending import PendingOutputs
+
+logger = logging.getLogger(__name__)
 
 READY, ERROR = "ready", "error"
 STARTUP_TIMEOUT_S = 300.0
@@ -117,13 +120,13 @@ class MultiprocExecutor(Executor):
                     if isinstance(message, ModelOutput):
                         self._pending.resolve_oldest(message)
                         continue
-                    self._pending.fail(f"pipeline stage {rank} failed:\n{message[1]}")
+                    self._stage_failed(rank, message[1])
                 elif isinstance(item, Connection):
                     try:
                         _, detail = item.recv()
                     except (EOFError, OSError):
                         continue
-                    self._pending.fail(f"pipeline stage {rank} failed:\n{detail}")
+                    self._stage_failed(rank, detail)
                 elif not self._closed:
                     self.processes[rank].join(timeout=1.0)  # the exit code is set on join
                     code = self.processes[rank].exitcode
@@ -133,6 +136,13 @@ class MultiprocExecutor(Executor):
                     )
             if self._pending.dead:
                 return
+
+    def _stage_failed(self, rank: int, traceback_text: str) -> None:
+        """Logs the stage's traceback; the reason that travels on (to /health, to clients)
+        is its last line only."""
+        logger.error("pipeline stage %d failed:\n%s", rank, traceback_text)
+        last_line = traceback_text.strip().splitlines()[-1] if traceback_text.strip() else "?"
+        self._pending.fail(f"pipeline stage {rank} failed: {last_line[:200]}", log=False)
 
     def check_health(self) -> None:
         if self._pending.dead:

@@ -109,17 +109,19 @@ class StageWorker:
             scheduler_output, batch, hidden, self.runner.requests, self.model.compute_logits
         )
         sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
-        tokens, logprobs = [], None
+        tokens, logprobs, failed = [], None, {}
         if sampled:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             items = [scheduler_output.requests[i] for i in sampled]
             params = [self.runner.requests[item.request_id].sampling_params for item in items]
             positions = [item.num_output_tokens for item in items]
             rules = [self._row_rules(item, p) for item, p in zip(items, params, strict=True)]
-            tokens, logprobs = sample(logits, params, positions, self.generator, rules)
+            tokens, logprobs, failed = sample(logits, params, positions, self.generator, rules)
             if all(lp is None for lp in logprobs):
                 logprobs = None
-        return ModelOutput(scheduler_output.step_id, tokens, logprobs, prompt_logprobs=prompt)
+        return ModelOutput(
+            scheduler_output.step_id, tokens, logprobs, prompt_logprobs=prompt, failed=failed
+        )
 
     def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
         if not params.has_logits_rules:
