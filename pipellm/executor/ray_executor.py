@@ -44,12 +44,16 @@ class RayExecutor(Executor):
         import ray
 
         self.num_stages = config.pipeline_parallel_size
+        # One actor per tensor-parallel rank of each stage; rank 0 of the last stage samples.
+        tp_size = config.tensor_parallel_size
+        self.num_ranks = self.num_stages * tp_size
+        self.output_rank = (self.num_stages - 1) * tp_size
         self._pending = PendingOutputs()
         self._temp_dir: str | None = None
         if not ray.is_initialized():
             self._temp_dir = tempfile.mkdtemp(prefix="pipellm-ray-")
             ray.init(
-                num_cpus=max(self.num_stages, os.cpu_count() or 1),
+                num_cpus=max(self.num_ranks, os.cpu_count() or 1),
                 include_dashboard=False,
                 _temp_dir=self._temp_dir,
                 log_to_driver=False,
@@ -57,7 +61,7 @@ class RayExecutor(Executor):
             )
         actor_class = ray.remote(num_cpus=1)(_StageActor)
         port = free_port()
-        self.actors = [actor_class.remote(config, rank, port) for rank in range(self.num_stages)]
+        self.actors = [actor_class.remote(config, rank, port) for rank in range(self.num_ranks)]
         self._finalizer = weakref.finalize(self, _stop_ray, self.actors, self._temp_dir)
         try:
             self.pids = ray.get([a.ready.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
@@ -70,9 +74,10 @@ class RayExecutor(Executor):
         if future.done():
             return future
         refs = [actor.step.remote(scheduler_output) for actor in self.actors]
-        for rank, ref in enumerate(refs[:-1]):
-            ref.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
-        refs[-1].future().add_done_callback(self._deliver)
+        for rank, ref in enumerate(refs):
+            if rank != self.output_rank:
+                ref.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
+        refs[self.output_rank].future().add_done_callback(self._deliver)
         return future
 
     def _check(self, done: Future[Any], rank: int) -> None:
@@ -81,7 +86,7 @@ class RayExecutor(Executor):
 
     def _deliver(self, done: Future[Any]) -> None:
         if done.exception() is not None:
-            self._check(done, self.num_stages - 1)
+            self._check(done, self.output_rank)
         else:
             self._pending.resolve_oldest(done.result())
 
