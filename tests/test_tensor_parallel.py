@@ -112,7 +112,7 @@ def test_wrong_settings_fail_before_any_process_starts(tmp_path, monkeypatch):
         plan_tensor_parallel(dataclasses.replace(mc, intermediate_size=129), 2, 0)
     with pytest.raises(TensorParallelError, match="vocabulary \\(301 tokens\\)"):
         plan_tensor_parallel(dataclasses.replace(mc, vocab_size=301), 2, 0)
-    with pytest.raises(ConfigError, match="distributed_executor_backend='uni'.*use mp or ray"):
+    with pytest.raises(ConfigError, match="distributed_executor_backend='uni'.*use mp"):
         EngineConfig(str(directory), tensor_parallel_size=2, distributed_executor_backend="uni")
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     with pytest.raises(ConfigError, match="4 processes, more than the 2 cores.*--num-threads"):

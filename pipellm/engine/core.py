@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from pipellm.config import EngineConfig
@@ -48,13 +49,19 @@ def make_executor(config: EngineConfig) -> Executor:
     if backend == "sim":
         from pipellm.executor.sim import SimExecutor
 
-        return SimExecutor(config, speedup=config.sim_speedup)
+        return SimExecutor(config)
     raise NotImplementedError(f"distributed_executor_backend={backend!r} is not available yet")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
+        self.clock = clock  # pipellm simulate passes a virtual clock's
         source = resolve_model(config.tokenizer) if config.tokenizer else config.source
         self.tokenizer: Tokenizer = load_tokenizer(source)
         # generation_config.json may name more end tokens than the tokenizer does.
@@ -86,8 +93,8 @@ class EngineCore:
         self.batch_queue_depth = self.executor.num_stages
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         self.texts: dict[str, TextState] = {}
-        self.pipeline_stats = PipelineStats(self.executor.num_stages)
-        self._last_log = time.time()
+        self.pipeline_stats = PipelineStats(self.executor.num_stages, clock=clock)
+        self._last_log = clock()
         self.num_prompt_tokens = 0  # counters for metrics: prompt tokens admitted
         self.num_generation_tokens = 0
 
@@ -107,6 +114,11 @@ class EngineCore:
         vocab = self.config.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        params = params.resolve(
+            self.eos_token_ids,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            vocab,
+        )
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         self.scheduler.add_request(request)
         self.num_prompt_tokens += len(prompt_token_ids)
@@ -143,7 +155,7 @@ class EngineCore:
         return self._apply(scheduler_output, model_output)
 
     def _maybe_log_stats(self) -> None:
-        now = time.time()
+        now = self.clock()
         if now - self._last_log < STATS_LOG_INTERVAL_S:
             return
         summary = self.pipeline_stats.summary(since=self._last_log)
@@ -173,7 +185,7 @@ class EngineCore:
             "num_in_flight": len(self.in_flight),
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generation_tokens,
-            "pipeline": self.pipeline_stats.summary(since=time.time() - STATS_WINDOW_S),
+            "pipeline": self.pipeline_stats.summary(since=self.clock() - STATS_WINDOW_S),
             "stage_busy_seconds_total": list(self.pipeline_stats.stage_busy_total),
             "pipeline_active_seconds_total": self.pipeline_stats.active_total,
         }
@@ -202,6 +214,9 @@ class EngineCore:
                     new_logprobs=[update.logprobs] if update.logprobs else None,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=(
+                        request.prompt_logprobs if request.num_output_tokens == 1 else None
+                    ),
                 )
             )
             if finished:

@@ -20,6 +20,8 @@ class EngineOutput:
     new_logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # With prompt_logprobs, on a request's first output: one per prompt token, the first None.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass
@@ -40,3 +42,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None

@@ -54,5 +54,10 @@ class ModelOutput:
     sampled_token_ids: list[int]  # one per request with `sample`, in order
     # Per sampled request: (sampled token's logprob, [(token_id, logprob), ...]) or None.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # Requests with prompt_logprobs: request id -> (position of the first prompt token these
+    # cover, one (logprob, top-n) per prompt token of the chunk).
+    prompt_logprobs: dict[str, tuple[int, list[tuple[float, list[tuple[int, float]]]]]] | None = (
+        None
+    )
     # Per stage: (start, end) wall-clock times of this micro-batch's compute (time.time()).
     stage_times: list[tuple[float, float]] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (completions, chat) and the OpenAI error shape.
 
-Fields the engine cannot honour yet (n > 1, penalties, logit_bias, ...) are accepted by the
-model so that the error can name them, then rejected with a 400 that says what to do instead.
+Fields the engine cannot honour yet are accepted by the model so that the error can name
+them, then rejected with a 400 that says what to do instead.
 """
 
 from __future__ import annotations
@@ -66,27 +66,31 @@ class GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields
+    repetition_penalty: float | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
         """Raises OpenAIError(400) for options this server does not implement."""
         if self.n != 1:
             _unsupported("n", self.n, "only n=1 is supported; send n separate requests")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                _unsupported(name, getattr(self, name), "penalties are not supported; use 0")
-        if self.logit_bias:
-            _unsupported("logit_bias", "{...}", "logit_bias is not supported; leave it out")
         if self.stream_options is not None and not self.stream:
             _unsupported("stream_options", "{...}", "stream_options needs stream=true")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's SamplingParams; raises OpenAIError(400) naming a bad value."""
         optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
         }
         try:
             return SamplingParams(
@@ -97,12 +101,27 @@ class GenerationRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self._logit_bias(),
+                bad_words=self.bad_words or [],
                 **{name: value for name, value in optional.items() if value is not None},
             )
         except ValueError as error:
             raise OpenAIError(str(error)) from error
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """Token-id keys as ints; values clamped to OpenAI's [-100, 100], as vLLM does."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(t): min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}
+        except ValueError as error:
+            raise OpenAIError(
+                f"logit_bias keys must be token ids written as integers: {error}",
+                param="logit_bias",
+            ) from error
 
     @property
     def include_usage(self) -> bool:
@@ -121,10 +140,25 @@ class CompletionRequest(GenerationRequest):
         super().check_supported()
         if self.best_of is not None and self.best_of > 1:
             _unsupported("best_of", self.best_of, "only best_of=1 is supported")
-        if self.echo:
-            _unsupported("echo", True, "echo is not supported; prepend the prompt yourself")
+        if self.echo and self.stream:
+            _unsupported("echo", True, "echo needs stream=false")
+        if self.max_tokens == 0 and not self.echo:
+            _unsupported("max_tokens", 0, "max_tokens=0 needs echo=true (prompt logprobs only)")
         if self.suffix:
             _unsupported("suffix", "...", "suffix (insertion) is not supported")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt and its logprobs, nothing generated (vLLM runs
+        one token and drops it, and so do we)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's prompt_logprobs, or with echo the completions' logprobs count."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request, as text or token ids."""

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection, wait
 from pipellm.config import EngineConfig
 from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
-from pipellm.executor.net import free_port
+from pipellm.executor.net import LOOPBACK, free_port
 from pipellm.executor.pending import PendingOutputs
 
 READY, ERROR = "ready", "error"
@@ -191,8 +191,9 @@ def stage_main(
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         from pipellm.worker.pipeline_stage import PipelineStage
+        from pipellm.worker.process_group import Rendezvous
 
-        stage = PipelineStage(config, rank, port)
+        stage = PipelineStage(config, rank, Rendezvous(LOOPBACK, port))
         conn.send((READY, None))
     except BaseException:
         conn.send((ERROR, traceback.format_exc()))

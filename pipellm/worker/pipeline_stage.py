@@ -1,5 +1,4 @@
-"""One pipeline stage (or one tensor-parallel rank of it) in its own process or actor: schedule
-in, hidden states through, tokens out.
+"""One pipeline stage in its own process or actor: schedule in, hidden states through, tokens out.
 
 Backends (mp processes, Ray actors) only deliver each SchedulerOutput to `step`; the stage
 itself receives hidden states from the previous stage and sends its own to the next one.
@@ -7,43 +6,43 @@ itself receives hidden states from the previous stage and sends its own to the n
 With tensor parallelism T, the T x P ranks are numbered stage-major (rank = stage * T + tp
 rank) and each stage's T ranks form a group (parallel/tp_group.py). After each layer's
 all-reduce every rank of a stage holds the whole hidden states, so rank t of a stage sends
-them straight to rank t of the next: T transfers in parallel and no broadcast inside the
-receiving stage (docs/tensor_parallel.md measures the alternative).
+them straight to rank t of the next: T transfers side by side and no broadcast inside the
+receiving stage (docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
 
-import os
+import socket
 import time
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from pipellm.config import DEVICE, EngineConfig
+from pipellm.config import EngineConfig
 from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.parallel.tp_group import make_tensor_parallel_comm
+from pipellm.worker.process_group import Rendezvous, join_pipeline_group
 from pipellm.worker.worker import StageWorker
 
 MAX_PENDING_SENDS = 8  # bounded: a send's tensor must stay alive until it completes
 
 
 class PipelineStage:
-    def __init__(self, config: EngineConfig, rank: int, port: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        rendezvous: Rendezvous,
+        listener: socket.socket | None = None,
+    ) -> None:
         torch.set_num_threads(config.threads_per_stage)
-        # NOTE: gloo would otherwise pick the interface of the host name; keep it on loopback.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.rank, self.num_stages = rank, config.pipeline_parallel_size
         self.tp_size = config.tensor_parallel_size
         self.stage, tp_rank = divmod(rank, self.tp_size)
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
-        backend = "nccl" if DEVICE == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=self.num_stages * self.tp_size,
-        )
+        world_size = self.num_stages * self.tp_size
+        self._group = join_pipeline_group(rendezvous, rank, world_size, listener)
         self.comm = make_tensor_parallel_comm(self.num_stages, self.tp_size, self.stage)
         self.worker = StageWorker(config, self.stage, tp_rank, self.comm)
         self.hidden_size = config.model_config.hidden_size

@@ -8,13 +8,16 @@ import sys
 import torch
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.engine.scheduler_output import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
 from pipellm.model.llama import LlamaStage
+from pipellm.model.logits_rules import OutputTokenCounts, RowRules
+from pipellm.model.prompt_logprobs import prompt_logprobs
 from pipellm.model.sampler import sample
 from pipellm.model.weights import iter_quantized_weights, iter_weights
 from pipellm.parallel.comm import TensorParallelComm
 from pipellm.parallel.tp_plan import plan_tensor_parallel
+from pipellm.sampling_params import SamplingParams
 from pipellm.worker.model_runner import ModelRunner
 from pipellm.worker.partition import partition_layers
 
@@ -104,6 +107,7 @@ class StageWorker:
             for _ in range(start, end)
         ]
         self.runner = ModelRunner(config.block_size)
+        self.token_counts = OutputTokenCounts(mc.vocab_size) if self.is_last else None
         self.generator = torch.Generator().manual_seed(config.seed)
 
     @torch.inference_mode()
@@ -113,10 +117,15 @@ class StageWorker:
         """Runs this stage's layers; the last stage samples and returns a ModelOutput (with
         tensor parallelism, its rank 0; the other ranks return None)."""
         self.runner.update_states(scheduler_output)
+        if self.token_counts is not None:
+            self.token_counts.update(scheduler_output)
         input_ids, batch = self.runner.prepare(scheduler_output)
         hidden = self.model(input_ids if self.is_first else hidden_in, batch, self.kv_caches)
         if not self.is_last:
             return hidden
+        prompt = prompt_logprobs(
+            scheduler_output, batch, hidden, self.runner.requests, self.model.compute_logits
+        )
         sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
         tokens, logprobs = [], None
         if sampled:
@@ -126,9 +135,17 @@ class StageWorker:
             items = [scheduler_output.requests[i] for i in sampled]
             params = [self.runner.requests[item.request_id].sampling_params for item in items]
             positions = [item.num_output_tokens for item in items]
-            tokens, logprobs = sample(logits, params, positions, self.generator)
+            rules = [self._row_rules(item, p) for item, p in zip(items, params, strict=True)]
+            tokens, logprobs = sample(logits, params, positions, self.generator, rules)
             if all(lp is None for lp in logprobs):
                 logprobs = None
         if not self.samples:
             return None
-        return ModelOutput(scheduler_output.step_id, tokens, logprobs)
+        return ModelOutput(scheduler_output.step_id, tokens, logprobs, prompt_logprobs=prompt)
+
+    def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
+        if not params.has_logits_rules:
+            return None
+        token_ids = self.runner.requests[item.request_id].token_ids
+        counts = self.token_counts.requests.get(item.request_id)
+        return RowRules(params, item.num_output_tokens, token_ids, counts)
