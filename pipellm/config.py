@@ -16,8 +16,8 @@ from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
 from pipellm.model.source import ModelSource, load_model_config, resolve_model
+from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
 from pipellm.model.weights import check_gguf_tensor_parallel
-from pipellm.parallel.tp_plan import TensorParallelError, plan_tensor_parallel
 
 DTYPES = {
     "float32": torch.float32,

@@ -11,8 +11,8 @@ import torch
 from pipellm import LLM, SamplingParams
 from pipellm.config import ConfigError, EngineConfig
 from pipellm.model.llama import LlamaStage
+from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
 from pipellm.model.weights import iter_quantized_weights, iter_weights
-from pipellm.parallel.tp_plan import TensorParallelError, plan_tensor_parallel
 from tests.checkpoints import make_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -21,8 +21,8 @@ from pipellm.model.gguf_linear import QuantizedWeight, stack_rows
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import RotaryEmbedding
+from pipellm.model.tp_plan import TensorParallelPlan, plan_tensor_parallel
 from pipellm.parallel.comm import TensorParallelComm
-from pipellm.parallel.tp_plan import TensorParallelPlan, plan_tensor_parallel
 
 
 class RMSNorm(nn.Module):
@@ -56,7 +56,7 @@ FUSED_PROJECTIONS = {
 
 class Attention(nn.Module):
     """This rank's heads (all of them without tensor parallelism): qkv_proj column-parallel,
-    o_proj row-parallel, one all-reduce (see parallel/tp_plan.py)."""
+    o_proj row-parallel, one all-reduce (see model/tp_plan.py)."""
 
     def __init__(
         self, config: ModelConfig, tp: TensorParallelPlan, comm: TensorParallelComm | None

@@ -17,7 +17,7 @@ from pipellm.model.gguf_file import open_gguf
 from pipellm.model.gguf_linear import KERNEL_KINDS, QuantizedWeight
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.source import ModelSource
-from pipellm.parallel.tp_plan import (
+from pipellm.model.tp_plan import (
     TensorParallelError,
     TensorParallelPlan,
     WeightShard,

@@ -14,9 +14,9 @@ from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
 from pipellm.model.prompt_logprobs import prompt_logprobs
 from pipellm.model.sampler import sample
+from pipellm.model.tp_plan import plan_tensor_parallel
 from pipellm.model.weights import iter_quantized_weights, iter_weights
 from pipellm.parallel.comm import TensorParallelComm
-from pipellm.parallel.tp_plan import plan_tensor_parallel
 from pipellm.sampling_params import SamplingParams
 from pipellm.worker.model_runner import ModelRunner
 from pipellm.worker.partition import partition_layers
