@@ -10,8 +10,9 @@
 // A collective with sequence number s uses the parity s % 2:
 //   1. rank r copies its part into its slot, then stores flag[r] = s (release);
 //   2. it waits until every flag[j] >= s (acquire): all parts are in;
-//   3. it reads all slots: the sum in rank order 0..n-1 (so every rank gets the same bits),
-//      or the parts side by side (all-gather).
+//   3. it reads the slots: the sum in rank order 0..n-1 (so every rank gets the same bits;
+//      with two ranks, its own part plus its peer's, as exact), or the parts side by side
+//      (all-gather).
 // A rank writes slot parity p again only at s + 2, after waiting in s + 1 for every flag
 // >= s + 1, and a peer sets its flag to s + 1 only after finishing step 3 of s: so no slot is
 // overwritten while a peer still reads it, with one flag per rank and no second barrier.
@@ -179,11 +180,18 @@ void close_segment(int64_t handle) {
 
 void unlink_segment(const std::string& name) { shm_unlink(name.c_str()); }
 
-void sum_float(float* out, const Comm& c, uint64_t s, int64_t offset, int64_t n) {
-  const float* first = reinterpret_cast<const float*>(c.slot(s, 0)) + offset;
-  std::memcpy(out, first, n * sizeof(float));
+// out holds this rank's own part already. Two ranks: out += the peer's part (a + b == b + a
+// bit for bit, so both ranks agree, and the own slot is never read back). More: the sum in
+// rank order from the slots, identical on every rank.
+void sum_float(float* __restrict out, const Comm& c, uint64_t s, int64_t n) {
+  if (c.size == 2) {
+    const float* __restrict peer = reinterpret_cast<const float*>(c.slot(s, 1 - c.rank));
+    for (int64_t i = 0; i < n; ++i) out[i] += peer[i];
+    return;
+  }
+  std::memcpy(out, c.slot(s, 0), n * sizeof(float));
   for (int r = 1; r < c.size; ++r) {
-    const float* part = reinterpret_cast<const float*>(c.slot(s, r));
+    const float* __restrict part = reinterpret_cast<const float*>(c.slot(s, r));
     for (int64_t i = 0; i < n; ++i) out[i] += part[i];
   }
 }
@@ -204,7 +212,7 @@ void all_reduce_(int64_t handle, torch::Tensor x) {
     std::memcpy(c.slot(s, c.rank), mine, n * itemsize);
     c.arrive_and_wait(s);
     if (x.scalar_type() == torch::kFloat) {
-      sum_float(reinterpret_cast<float*>(mine), c, s, 0, n);
+      sum_float(reinterpret_cast<float*>(mine), c, s, n);
       continue;
     }
     auto options = x.options();
