@@ -9,6 +9,7 @@ Cluster columns, on a real two-host Ray cluster (--two-hosts builds one on this 
 network namespaces joined by a veth pair, a Ray node with 1 CPU in each; root needed), one
 stage per host:
   (e) P=2 across hosts, balanced    (f) P=2 across hosts, --no-pp-balance
+  (t) TP=2 x P=1, 1 thread per rank (tensor parallelism, docs/tensor_parallel.md)
 Prints throughput, mean TTFT and stage idle fraction of each (medians) and the ratios.
 
   .venv/bin/python bench/pp_scaling.py [--num-prompts 32 --input-len 1024 --output-len 32]
@@ -60,6 +61,7 @@ SETUPS = [
         "f: 2 hosts, no balance",
         dict(pipeline_parallel_size=2, num_threads=1, pp_balance=False, **ON_CLUSTER),
     ),
+    Setup("t: TP=2, 1 thread each", dict(tensor_parallel_size=2, num_threads=1)),
 ]
 
 SINGLE_SETUPS = [
@@ -226,7 +228,7 @@ def main() -> None:
         args.only = args.only or "defg"
         main_single(args)
         return
-    args.only = args.only or "abcd"
+    args.only = args.only or "abcdt"
     setups = [s for s in SETUPS if s.label[0] in args.only]
     on_cluster = any(s.engine_args.get("distributed_executor_backend") for s in setups)
     if args.two_hosts and not os.environ.get("RAY_ADDRESS"):
@@ -241,7 +243,7 @@ def main() -> None:
     for repeat in range(args.repeats):
         for setup in setups:
             trace = None
-            if repeat == 0 and setup.engine_args["pipeline_parallel_size"] > 1:
+            if repeat == 0 and setup.engine_args.get("pipeline_parallel_size", 1) > 1:
                 trace = f"{args.trace_dir}/pp_{setup.label[0]}.trace.json"
             result = run_once(setup, args, trace)
             results[setup.label].append(result)
@@ -276,7 +278,8 @@ def main() -> None:
             f"{' '.join(f'{x:.1%}' for x in idle):>14s}"
         )
     labels = {s.label[0]: s.label for s in setups}
-    for num, den in (("c", "b"), ("c", "a"), ("c", "d"), ("e", "f"), ("e", "c")):
+    pairs = (("c", "b"), ("c", "a"), ("c", "d"), ("e", "f"), ("e", "c"), ("t", "d"), ("t", "c"))
+    for num, den in pairs:
         if num in labels and den in labels:
             ratio = median(labels[num], "total_tok_s") / median(labels[den], "total_tok_s")
             print(f"throughput ({num})/({den}) = {ratio:.2f}x")

@@ -16,6 +16,8 @@ from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
 from pipellm.model.source import ModelSource, load_model_config, resolve_model
+from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
+from pipellm.model.weights import check_gguf_tensor_parallel
 
 DTYPES = {
     "float32": torch.float32,
@@ -95,8 +97,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 _fail(name, value, "use a positive integer")
-        if self.tensor_parallel_size != 1:
-            _fail("tensor_parallel_size", self.tensor_parallel_size, "only 1 is supported yet")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"use one of auto, {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
@@ -106,7 +106,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             _fail("kv_cache_dtype", self.kv_cache_dtype, f"use auto or one of {', '.join(DTYPES)}")
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.pipeline_parallel_size == 1 else "mp"
+            single = self.pipeline_parallel_size == 1 and self.tensor_parallel_size == 1
+            self.distributed_executor_backend = "uni" if single else "mp"
         if self.distributed_executor_backend not in BACKENDS:
             _fail(
                 "distributed_executor_backend",
@@ -117,6 +118,15 @@ class EngineConfig:
             _fail("distributed_executor_backend", "ray", "install Ray: pip install 'pipellm[ray]'")
         if self.distributed_executor_backend == "uni" and self.pipeline_parallel_size > 1:
             _fail("distributed_executor_backend", "uni", "pipeline stages need mp, ray or sim")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend != "mp":
+            # NOTE: the Ray backend places one actor per stage; its TP ranks are not wired yet.
+            _fail(
+                "distributed_executor_backend",
+                self.distributed_executor_backend,
+                "tensor_parallel_size > 1 runs one process per rank, with the mp backend only "
+                "so far: use mp",
+            )
+        self._check_cores()
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             _fail("kv_cache_memory", self.kv_cache_memory, "use a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -207,6 +217,7 @@ class EngineConfig:
                 f"model {self.source.path}: its rope_scaling type {kind!r} is not supported; "
                 f"pipellm supports {', '.join(ROPE_TYPES)}"
             )
+        self._check_tensor_parallel()
         layers = self.model_config.num_hidden_layers
         if self.pipeline_parallel_size > layers:
             _fail(
@@ -214,6 +225,33 @@ class EngineConfig:
                 self.pipeline_parallel_size,
                 f"the model has only {layers} layers; use at most {layers} stages",
             )
+
+    def _check_cores(self) -> None:
+        """T x P processes, each with its own threads: more of them than cores would make
+        the tensor-parallel ranks wait on each other's time slices at every all-reduce."""
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        cores = os.cpu_count() or 1
+        if self.tensor_parallel_size > 1 and ranks > cores and self.num_threads is None:
+            _fail(
+                "tensor_parallel_size",
+                self.tensor_parallel_size,
+                f"{self.tensor_parallel_size} x {self.pipeline_parallel_size} stages = {ranks} "
+                f"processes, more than the {cores} cores; use fewer, or set num_threads "
+                "(--num-threads 1) to run them anyway",
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        """The model must split T ways (heads, MLP, vocabulary), and a GGUF file's row-parallel
+        weights on their blocks' boundaries: checked here, before any process starts."""
+        size = self.tensor_parallel_size
+        if size == 1:
+            return
+        try:
+            plans = [plan_tensor_parallel(self.model_config, size, r) for r in range(size)]
+            if self.source.kind == "gguf" and self.load_format != "dummy":
+                check_gguf_tensor_parallel(self.source, plans)
+        except TensorParallelError as error:
+            raise ConfigError(f"invalid setting {error}") from None
 
     # ---- derived settings ------------------------------------------------------------------
 
@@ -231,7 +269,8 @@ class EngineConfig:
     def threads_per_stage(self) -> int:
         if self.num_threads is not None:
             return self.num_threads
-        return max(1, (os.cpu_count() or 1) // self.pipeline_parallel_size)
+        ranks = self.pipeline_parallel_size * self.tensor_parallel_size
+        return max(1, (os.cpu_count() or 1) // ranks)
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -68,7 +68,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="pipeline stages: the model's layers split into this many processes",
     )
     g.add_argument(
-        "-tp", "--tensor-parallel-size", type=int, default=1, help="tensor parallel ranks"
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per stage: heads, MLP columns and vocabulary split over "
+        "this many processes, two all-reduces a layer (shared memory on one host); "
+        "see docs/tensor_parallel.md",
     )
     g.add_argument(
         "--distributed-executor-backend",
@@ -104,7 +110,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "time from prefix length and size: later chunks of a long prompt shrink so that all "
         "cost the same; docs/pipeline.md)",
     )
-    g.add_argument("--num-threads", type=int, help="torch threads per stage (default: cores / P)")
+    g.add_argument(
+        "--num-threads", type=int, help="torch threads per process (default: cores / (TP x PP))"
+    )
     g.add_argument(
         "--max-cudagraph-capture-size",
         type=int,

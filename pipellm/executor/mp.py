@@ -38,13 +38,17 @@ STARTUP_TIMEOUT_S = 300.0
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.num_stages = config.pipeline_parallel_size
+        # One process per tensor-parallel rank of each stage; rank 0 of the last stage samples.
+        tp_size = config.tensor_parallel_size
+        self.num_ranks = self.num_stages * tp_size
+        self.output_rank = (self.num_stages - 1) * tp_size
         self._pending = PendingOutputs()
         self._closed = False
         context = mp.get_context("spawn")
         port = free_port()
         self.processes: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
-        for rank in range(self.num_stages):
+        for rank in range(self.num_ranks):
             parent_conn, child_conn = context.Pipe()
             process = context.Process(
                 target=stage_main,
@@ -69,7 +73,7 @@ class MultiprocExecutor(Executor):
     def _wait_ready(self) -> None:
         """Waits for every stage's READY; a startup error or early exit raises at once."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        waiting = set(range(self.num_stages))
+        waiting = set(range(self.num_ranks))
         while waiting:
             watched = {self.conns[r]: r for r in waiting}
             watched.update({self.processes[r].sentinel: r for r in waiting})
@@ -102,7 +106,7 @@ class MultiprocExecutor(Executor):
 
     def _read_outputs(self) -> None:
         """Resolves futures in submission order; turns a dead or failed stage into errors."""
-        last = self.conns[-1]
+        last = self.conns[self.output_rank]
         watched = {p.sentinel: r for r, p in enumerate(self.processes)}
         watched.update({c: r for r, c in enumerate(self.conns)})
         while not self._closed:
