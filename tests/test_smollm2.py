@@ -74,7 +74,9 @@ def test_weights_taken_quantized_are_never_dequantized(monkeypatch):
         pytest.skip("CPU kernels unavailable: the float32 path runs")
     dequantized = []
     real = weights._dequantize
-    monkeypatch.setattr(weights, "_dequantize", lambda t: dequantized.append(t.name) or real(t))
+    monkeypatch.setattr(
+        weights, "_dequantize", lambda t, *rest: dequantized.append(t.name) or real(t, *rest)
+    )
     with LLM(max_num_seqs=1, max_model_len=256, kv_cache_memory=1 << 24) as llm:
         answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in answer[0].outputs[0].text
