@@ -266,7 +266,9 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             bm.take_cached_prefix(request, cached)
-            assert bm.allocate_slots(request, num_new)
+            # NOTE: not inside an assert, which `python -O` would skip with its allocation.
+            allocated = bm.allocate_slots(request, num_new)
+            assert allocated, "can_allocate said the blocks were free"
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
