@@ -35,6 +35,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,41 @@ SINGLE_SETUPS = [
 ]
 
 
+def run_alternately(
+    setups: list[Setup],
+    args: argparse.Namespace,
+    run: Callable[[Setup, argparse.Namespace, str | None], dict],
+    trace_prefix: str,
+    describe: Callable[[str, dict], str],
+    timeline_title: str,
+    timeline_seconds: float | None,
+) -> dict[str, list[dict]]:
+    """Runs each setup --repeats times, in turns (A B C A B C ...) so that machine noise hits
+    all of them alike, printing each result; the first round of every pipelined setup writes a
+    trace and its timeline PNG."""
+    results: dict[str, list[dict]] = {s.label: [] for s in setups}
+    for repeat in range(args.repeats):
+        for setup in setups:
+            trace = None
+            if repeat == 0 and setup.engine_args.get("pipeline_parallel_size", 1) > 1:
+                trace = f"{args.trace_dir}/{trace_prefix}_{setup.label[0]}.trace.json"
+            result = run(setup, args, trace)
+            results[setup.label].append(result)
+            print(
+                f"[{repeat}] {describe(setup.label, result)}  idle "
+                + " ".join(f"{x:.0%}" for x in result["stage_idle"]),
+                flush=True,
+            )
+            if trace:
+                from pipellm.bench.timeline import render_timeline
+
+                png = trace.replace(".trace.json", "_timeline.png")
+                title = setup.label + timeline_title
+                render_timeline(trace, png, title=title, seconds=timeline_seconds)
+                print(f"    timeline: {png}")
+    return results
+
+
 def run_single(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> dict:
     """TTFT of one random prompt -> 1 token, after a short warm-up request."""
     config = EngineConfig(
@@ -116,26 +152,17 @@ def run_single(setup: Setup, args: argparse.Namespace, trace_file: str | None) -
 
 def main_single(args: argparse.Namespace) -> None:
     setups = [s for s in SINGLE_SETUPS if s.label[0] in args.only]
-    results: dict[str, list[dict]] = {s.label: [] for s in setups}
-    for repeat in range(args.repeats):
-        for setup in setups:
-            trace = None
-            if repeat == 0 and setup.engine_args["pipeline_parallel_size"] > 1:
-                trace = f"{args.trace_dir}/single_{setup.label[0]}.trace.json"
-            result = run_single(setup, args, trace)
-            results[setup.label].append(result)
-            print(
-                f"[{repeat}] {setup.label:26s} TTFT {result['ttft_s']:6.2f} s  queue depth "
-                f"{result['mean_queue_depth']:.2f}  idle "
-                + " ".join(f"{x:.0%}" for x in result["stage_idle"]),
-                flush=True,
-            )
-            if trace:
-                from pipellm.bench.timeline import render_timeline
-
-                png = trace.replace(".trace.json", "_timeline.png")
-                render_timeline(trace, png, title=f"{setup.label}: one prompt", seconds=None)
-                print(f"    timeline: {png}")
+    results = run_alternately(
+        setups,
+        args,
+        run_single,
+        "single",
+        lambda label, r: (
+            f"{label:26s} TTFT {r['ttft_s']:6.2f} s  queue depth {r['mean_queue_depth']:.2f}"
+        ),
+        timeline_title=": one prompt",
+        timeline_seconds=None,
+    )
     ttft = {label: statistics.median(r["ttft_s"] for r in rs) for label, rs in results.items()}
     print(f"\n{'setup':26s} {'median TTFT s':>14s}   all")
     for label, rs in results.items():
@@ -239,26 +266,17 @@ def main() -> None:
             sys.exit(cluster.exec(0, argv, env=cluster.driver_env()).returncode)
     if on_cluster and not os.environ.get("RAY_ADDRESS"):
         parser.error("setups (e) and (f) need a Ray cluster: set RAY_ADDRESS, or --two-hosts")
-    results: dict[str, list[dict]] = {s.label: [] for s in setups}
-    for repeat in range(args.repeats):
-        for setup in setups:
-            trace = None
-            if repeat == 0 and setup.engine_args.get("pipeline_parallel_size", 1) > 1:
-                trace = f"{args.trace_dir}/pp_{setup.label[0]}.trace.json"
-            result = run_once(setup, args, trace)
-            results[setup.label].append(result)
-            print(
-                f"[{repeat}] {setup.label:22s} {result['total_tok_s']:8.1f} tok/s  "
-                f"TTFT {result['mean_ttft_s']:6.2f} s  idle "
-                + " ".join(f"{x:.0%}" for x in result["stage_idle"]),
-                flush=True,
-            )
-            if trace:
-                from pipellm.bench.timeline import render_timeline
-
-                png = trace.replace(".trace.json", "_timeline.png")
-                render_timeline(trace, png, title=setup.label, seconds=20)
-                print(f"    timeline: {png}")
+    results = run_alternately(
+        setups,
+        args,
+        run_once,
+        "pp",
+        lambda label, r: (
+            f"{label:22s} {r['total_tok_s']:8.1f} tok/s  TTFT {r['mean_ttft_s']:6.2f} s"
+        ),
+        timeline_title="",
+        timeline_seconds=20,
+    )
 
     def median(label: str, key: str) -> float:
         return statistics.median(r[key] for r in results[label])
