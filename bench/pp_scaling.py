@@ -283,7 +283,7 @@ def main() -> None:
 
     print(
         f"\n{'setup':22s} {'total tok/s':>12s} {'output tok/s':>13s} {'mean TTFT s':>12s} "
-        f"{'stage idle':>14s}"
+        f"{'TPOT ms':>8s} {'stage idle':>14s}"
     )
     for label in results:
         idle = [
@@ -293,14 +293,15 @@ def main() -> None:
         print(
             f"{label:22s} {median(label, 'total_tok_s'):12.1f} "
             f"{median(label, 'output_tok_s'):13.2f} {median(label, 'mean_ttft_s'):12.2f} "
-            f"{' '.join(f'{x:.1%}' for x in idle):>14s}"
+            f"{median(label, 'median_tpot_s') * 1e3:8.1f} {' '.join(f'{x:.1%}' for x in idle):>14s}"
         )
     labels = {s.label[0]: s.label for s in setups}
     pairs = (("c", "b"), ("c", "a"), ("c", "d"), ("e", "f"), ("e", "c"), ("t", "d"), ("t", "c"))
     for num, den in pairs:
         if num in labels and den in labels:
             ratio = median(labels[num], "total_tok_s") / median(labels[den], "total_tok_s")
-            print(f"throughput ({num})/({den}) = {ratio:.2f}x")
+            tpot = median(labels[num], "median_tpot_s") / median(labels[den], "median_tpot_s")
+            print(f"throughput ({num})/({den}) = {ratio:.2f}x, time per output token {tpot:.2f}x")
 
 
 if __name__ == "__main__":
