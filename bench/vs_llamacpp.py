@@ -14,9 +14,11 @@ each round). Workloads, prompts of random token ids:
   prefilled in its own sequence (up to n_batch = 2048 tokens a llama_decode), then one
   llama_decode per step carrying every sequence's next token.
 
-Configurations: `pipellm` (its kernels, GGUF weights as stored: the defaults), `pytorch`
-(pipellm with PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the
-prefill reference) and `llamacpp`.
+Configurations: `pipellm` (its kernels, GGUF weights as stored: the defaults, bit-identical to
+float32), `int8` (pipellm with the opt-in `quantization="gguf_int8"`: activations rounded to int8
+for VNNI dot products, as llama.cpp computes; where the CPU has AVX-512 VNNI), `pytorch` (pipellm
+with PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the prefill
+reference) and `llamacpp`. Ratios are llama.cpp's time over each pipellm configuration's.
 
     cpulock bench .venv/bin/python bench/vs_llamacpp.py               # 2 threads, 3 rounds
     .venv/bin/python bench/vs_llamacpp.py --threads 1 --rounds 1 --workloads single
@@ -45,14 +47,14 @@ import time
 import numpy as np
 
 PROMPT_LEN, BATCH, BATCH_NEW_TOKENS = 256, 16, 64
-# name -> (engine, extra environment); the llama.cpp child runs in --llamacpp-python.
+# name -> (engine, extra environment, pipellm's quantization setting); the llama.cpp child
+# runs in --llamacpp-python.
 CONFIGS = {
-    "pipellm": ("pipellm", {"PIPELLM_CPU_KERNELS": "1"}),
-    "pytorch": ("pipellm", {"PIPELLM_CPU_KERNELS": "0"}),
-    "llamacpp": ("llamacpp", {}),
+    "pipellm": ("pipellm", {"PIPELLM_CPU_KERNELS": "1"}, "gguf"),
+    "int8": ("pipellm", {"PIPELLM_CPU_KERNELS": "1"}, "gguf_int8"),
+    "pytorch": ("pipellm", {"PIPELLM_CPU_KERNELS": "0"}, "none"),
+    "llamacpp": ("llamacpp", {}, None),
 }
-SINGLE_CONFIGS = ("pipellm", "pytorch", "llamacpp")
-BATCH_CONFIGS = ("pipellm", "llamacpp")
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -68,7 +70,12 @@ def pipellm_child(args: argparse.Namespace) -> dict[str, float]:
 
     from pipellm import LLM, SamplingParams
 
-    llm = LLM(args.model, max_num_seqs=BATCH, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        max_num_seqs=BATCH,
+        enable_prefix_caching=False,
+        quantization=CONFIGS[args.child][2],
+    )
     torch.set_num_threads(args.threads)  # after LLM(), which sets its own count
 
     def run(batch: list[list[int]], max_tokens: int) -> float:
@@ -186,7 +193,7 @@ def llamacpp_child(args: argparse.Namespace) -> dict[str, float | str]:
 def run_child(
     config: str, workload: str, rnd: int, argv: list[str], llamacpp_python: str
 ) -> dict[str, float | str]:
-    engine, env = CONFIGS[config]
+    engine, env, _ = CONFIGS[config]
     python = llamacpp_python if engine == "llamacpp" else sys.executable
     command = [python, __file__, "--child", config, "--workload", workload]
     command += [*argv, "--seed", str(rnd)]
@@ -241,6 +248,7 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     check_llamacpp(args.llamacpp_python)
+    from pipellm.kernels.cpu_kernels import int8_activations_unavailable
     from pipellm.model.source import resolve_model
 
     model = str(resolve_model(None).path)
@@ -250,8 +258,15 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores: above ~0.5 means noise)")
     results: dict[tuple[str, str], list[dict]] = {}
     shown_info = False
+    int8 = int8_activations_unavailable() is None
+
+    def configs_for(workload: str) -> list[str]:
+        """pytorch is the prefill reference: one sequence only; int8 where the CPU runs it."""
+        names = [c for c in CONFIGS if int8 or c != "int8"]
+        return names if workload == "single" else [c for c in names if c != "pytorch"]
+
     for workload in args.workloads:
-        configs = list(SINGLE_CONFIGS if workload == "single" else BATCH_CONFIGS)
+        configs = configs_for(workload)
         for rnd in range(args.rounds):
             for config in configs[rnd % len(configs) :] + configs[: rnd % len(configs)]:
                 r = run_child(config, workload, rnd + args.seed, argv, args.llamacpp_python)
@@ -266,28 +281,35 @@ def main() -> None:
         return statistics.median(r[key] for r in results[(workload, config)])
 
     print(f"\n{args.threads} threads, medians of {args.rounds} rounds")
+
+    def table(workload: str, key: str, unit: str, label: str) -> None:
+        names = [c for c in configs_for(workload) if (workload, c) in results]
+        values = {c: median(workload, c, key) for c in names}
+        print(label)
+        for c in names:
+            ratio = values["llamacpp"] / values[c]
+            extra = f"  ({1e3 / values[c]:.0f} tok/s)" if key == "decode_step_ms" else ""
+            print(f"    {c:9s} {values[c]:8.3f} {unit}{extra}   llama.cpp / this {ratio:.2f}x")
+
     if "single" in args.workloads:
-        step = {c: median("single", c, "decode_step_ms") for c in SINGLE_CONFIGS}
-        ttft = {c: median("single", c, "ttft_s") for c in SINGLE_CONFIGS}
-        print(
+        table(
+            "single",
+            "decode_step_ms",
+            "ms",
             f"(a) one sequence, decode step after a {PROMPT_LEN}-token prompt "
-            f"({args.decode_tokens} tokens), ms: "
-            + "  ".join(f"{c} {step[c]:.2f} ({1e3 / step[c]:.0f} tok/s)" for c in SINGLE_CONFIGS)
-            + f"   llama.cpp/pipellm {step['llamacpp'] / step['pipellm']:.2f}x"
+            f"({args.decode_tokens} tokens)",
         )
-        print(
-            f"(c) one {PROMPT_LEN}-token prompt, prefill (time to first token), s: "
-            + "  ".join(f"{c} {ttft[c]:.3f}" for c in SINGLE_CONFIGS)
-            + f"   llama.cpp/pipellm {ttft['llamacpp'] / ttft['pipellm']:.2f}x,"
-            f" pytorch/pipellm {ttft['pytorch'] / ttft['pipellm']:.2f}x"
-        )
+        table("single", "ttft_s", "s", f"(c) one {PROMPT_LEN}-token prompt, time to first token")
+        if ("single", "pytorch") in results:
+            ours, base = (
+                median("single", "pipellm", "ttft_s"),
+                median("single", "pytorch", "ttft_s"),
+            )
+            print(f"    pytorch / pipellm (kernels) {base / ours:.2f}x")
     if "batch" in args.workloads:
-        ours, theirs = median("batch", "pipellm", "batch_s"), median("batch", "llamacpp", "batch_s")
-        print(
-            f"(b) {BATCH} x ({PROMPT_LEN} + {BATCH_NEW_TOKENS}), whole run, s: pipellm {ours:.2f}  "
-            f"llamacpp {theirs:.2f}   llama.cpp/pipellm {theirs / ours:.2f}x"
+        table(
+            "batch", "batch_s", "s", f"(b) {BATCH} x ({PROMPT_LEN} + {BATCH_NEW_TOKENS}), whole run"
         )
-    print("(x: the other's time / pipellm's: above 1 means pipellm is faster)")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 
