@@ -74,7 +74,7 @@ class StageWorker:
         # GGUF weights the kernel takes as stored are never dequantized: the load's peak
         # memory is then the quantized model, not the float32 one.
         quantized = {}
-        if config.quantization == "gguf" and cpu_kernels_available():
+        if config.quantization.startswith("gguf") and cpu_kernels_available():
             checkpoint = iter_quantized_weights(
                 config.source, mc, start, end, self.is_first, self.is_last, shard_of
             )
@@ -99,7 +99,11 @@ class StageWorker:
                 ),
                 skipped=skip,
             )
-        self.model.prepare_for_inference(prepack=True, quantized=quantized)
+        self.model.prepare_for_inference(
+            prepack=True,
+            quantized=quantized,
+            int8_activations=config.quantization == "gguf_int8",
+        )
         self.model.eval()
         cache_shape = (config.num_kv_blocks, config.block_size, tp.num_kv_heads, mc.head_dim)
         self.kv_caches = [
