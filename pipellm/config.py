@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from pipellm.loader.source import ModelSource, load_model_config, resolve_model
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
-from pipellm.model.source import ModelSource, load_model_config, resolve_model
 
 DTYPES = {
     "float32": torch.float32,

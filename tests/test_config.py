@@ -10,7 +10,7 @@ import pytest
 from pipellm import LLM, SamplingParams
 from pipellm.config import ConfigError, EngineConfig
 from pipellm.entrypoints.engine_args import add_engine_args
-from pipellm.model.source import ModelNotFoundError
+from pipellm.loader.source import ModelNotFoundError
 from tests.checkpoints import make_tiny_checkpoint
 
 

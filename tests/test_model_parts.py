@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from pipellm.kernels.cpu_kernels import why_unavailable
+from pipellm.loader.source import load_model_config, resolve_model
+from pipellm.loader.weights import iter_weights
 from pipellm.model import linear
 from pipellm.model.attention import gather_blocks
 from pipellm.model.llama import LlamaStage
-from pipellm.model.source import load_model_config, resolve_model
-from pipellm.model.weights import iter_weights
 from tests.checkpoints import make_tiny_checkpoint
 
 

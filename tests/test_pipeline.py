@@ -16,8 +16,8 @@ import pytest
 from pipellm import LLM, SamplingParams
 from pipellm.config import EngineConfig
 from pipellm.engine.core import EngineCore
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from tests.checkpoints import make_tiny_checkpoint
 from tests.conftest import assert_no_children
 
@@ -50,7 +50,7 @@ def test_same_tokens_at_every_pipeline_size(six_layers, reaped, stages, balance,
     with LLM(str(directory), **engine_args) as llm:
         outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
-        summary = llm.engine.stats()["pipeline"]
+        summary = llm.engine.stats().pipeline
         assert len(summary["stage_busy_fraction"]) == stages
         if balance:
             assert summary["max_queue_depth"] >= 2, "micro-batches overlapped"

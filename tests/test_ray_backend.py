@@ -23,7 +23,7 @@ def test_ray_stages_match_and_a_killed_actor_is_a_clear_error(tmp_path, reaped):
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected
-        assert llm.engine.stats()["pipeline"]["max_queue_depth"] == 2
+        assert llm.engine.stats().pipeline["max_queue_depth"] == 2
         os.kill(llm.engine.executor.pids[1], signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(WorkerDiedError, match="stage 1"):

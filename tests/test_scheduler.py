@@ -6,7 +6,7 @@ from collections import deque
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.request import Request
 from pipellm.engine.scheduler import Scheduler, SchedulerConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 
 

@@ -2,8 +2,8 @@
 
 from pipellm.config import EngineConfig
 from pipellm.engine.core import EngineCore
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pipellm.executor.sim import STEP_OVERHEAD_S, StageCostModel
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from tests.checkpoints import make_tiny_checkpoint
 

@@ -4,7 +4,7 @@ import pytest
 
 from pipellm import LLM, SamplingParams
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
-from pipellm.model import weights
+from pipellm.loader import weights
 from pipellm.model.gguf_linear import QuantizedLinear
 from pipellm.model.linear import PackedLinear
 

@@ -12,11 +12,11 @@ import transformers
 from safetensors.torch import load_file
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from pipellm.model.gguf_file import open_gguf
+from pipellm.loader.gguf_file import open_gguf
+from pipellm.loader.source import load_model_config, resolve_model
+from pipellm.loader.weights import iter_weights
 from pipellm.model.model_config import ModelConfig
-from pipellm.model.source import load_model_config, resolve_model
-from pipellm.model.tokenizer import load_tokenizer
-from pipellm.model.weights import iter_weights
+from pipellm.text.tokenizer import load_tokenizer
 from tests.checkpoints import make_tiny_checkpoint
 
 _LAYER_PARTS = [

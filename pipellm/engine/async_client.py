@@ -16,7 +16,7 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
 from pipellm.engine.core_process import ABORT, ADD, DEAD, OUTPUTS, REJECTED, STATS, CoreProcess
-from pipellm.engine.outputs import EngineOutput
+from pipellm.protocol import EngineOutput, EngineStats
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class AsyncEngineClient:
         self.core = core
         self._loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
-        self._stats_waiters: dict[int, asyncio.Future[dict]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._stats_tokens = itertools.count()
         self.dead_reason: str | None = None
         self._closing = False
@@ -82,11 +82,11 @@ class AsyncEngineClient:
             except OSError:
                 pass  # the reader thread reports the dead core
 
-    async def stats(self) -> dict:
+    async def stats(self) -> EngineStats:
         """The engine's stats snapshot (EngineCore.stats())."""
         self._check_alive()
         token = next(self._stats_tokens)
-        reply: asyncio.Future[dict] = self._loop.create_future()
+        reply: asyncio.Future[EngineStats] = self._loop.create_future()
         self._stats_waiters[token] = reply
         try:
             self._send((STATS, token))

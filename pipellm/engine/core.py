@@ -15,41 +15,20 @@ from concurrent.futures import Future
 from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.output_processor import TextState
-from pipellm.engine.outputs import EngineOutput
 from pipellm.engine.pipeline_stats import PipelineStats
 from pipellm.engine.request import Request
 from pipellm.engine.scheduler import Scheduler, SchedulerConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor
-from pipellm.model.source import resolve_model
-from pipellm.model.tokenizer import Tokenizer, load_tokenizer
+from pipellm.executor.factory import make_executor
+from pipellm.loader.source import resolve_model
+from pipellm.protocol import EngineOutput, EngineStats, ModelOutput, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
+from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
-STATS_WINDOW_S = 60.0  # stats()["pipeline"] (and /metrics' busy gauge) cover this recent window
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    backend = config.distributed_executor_backend
-    if backend == "uni":
-        from pipellm.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config)
-    if backend == "mp":
-        from pipellm.executor.mp import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    if backend == "ray":
-        from pipellm.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config)
-    if backend == "sim":
-        from pipellm.executor.sim import SimExecutor
-
-        return SimExecutor(config, speedup=config.sim_speedup)
-    raise NotImplementedError(f"distributed_executor_backend={backend!r} is not available yet")
+STATS_WINDOW_S = 60.0  # stats().pipeline (and /metrics' busy gauge) cover this recent window
 
 
 class EngineCore:
@@ -161,22 +140,22 @@ class EngineCore:
                 summary["mean_tokens_per_micro_batch"],
             )
 
-    def stats(self) -> dict:
-        """A snapshot for logs and /metrics; "pipeline" covers the last STATS_WINDOW_S."""
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": self.block_manager.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": self.block_manager.num_prefix_queries,
-            "prefix_cache_hits": self.block_manager.num_prefix_hits,
-            "num_in_flight": len(self.in_flight),
-            "prompt_tokens_total": self.num_prompt_tokens,
-            "generation_tokens_total": self.num_generation_tokens,
-            "pipeline": self.pipeline_stats.summary(since=time.time() - STATS_WINDOW_S),
-            "stage_busy_seconds_total": list(self.pipeline_stats.stage_busy_total),
-            "pipeline_active_seconds_total": self.pipeline_stats.active_total,
-        }
+    def stats(self) -> EngineStats:
+        """A snapshot for logs and /metrics; `pipeline` covers the last STATS_WINDOW_S."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.block_manager.num_prefix_queries,
+            prefix_cache_hits=self.block_manager.num_prefix_hits,
+            num_in_flight=len(self.in_flight),
+            prompt_tokens_total=self.num_prompt_tokens,
+            generation_tokens_total=self.num_generation_tokens,
+            pipeline=self.pipeline_stats.summary(since=time.time() - STATS_WINDOW_S),
+            stage_busy_seconds_total=list(self.pipeline_stats.stage_busy_total),
+            pipeline_active_seconds_total=self.pipeline_stats.active_total,
+        )
 
     def _apply(
         self, scheduler_output: SchedulerOutput, model_output: ModelOutput

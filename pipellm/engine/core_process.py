@@ -7,7 +7,7 @@ parent only, so nothing is unpickled from a socket another host could reach.
   API -> core: (ADD, request_id, prompt_token_ids, SamplingParams), (ABORT, [request_id, ...]),
                (STATS, token), (SHUTDOWN,)
   core -> API: (READY, pid), (OUTPUTS, [EngineOutput, ...]), (REJECTED, request_id, message),
-               (STATS, token, stats dict), (DEAD, reason)
+               (STATS, token, EngineStats), (DEAD, reason)
 """
 
 from __future__ import annotations

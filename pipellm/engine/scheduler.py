@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.request import Request, RequestStatus
-from pipellm.engine.scheduler_output import ModelOutput, ScheduledRequest, SchedulerOutput
+from pipellm.protocol import Logprobs, ModelOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -33,7 +33,7 @@ class TokenUpdate:
 
     request: Request
     token_id: int
-    logprobs: tuple[float, list[tuple[int, float]]] | None
+    logprobs: Logprobs | None
     finished: bool
 
 

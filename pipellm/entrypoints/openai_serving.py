@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipellm.config import EngineConfig
 from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError
-from pipellm.engine.outputs import EngineOutput
 from pipellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,8 +23,9 @@ from pipellm.entrypoints.openai_protocol import (
     OpenAIError,
 )
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.model.tokenizer import Tokenizer
+from pipellm.protocol import EngineOutput
 from pipellm.sampling_params import SamplingParams
+from pipellm.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
 Chunk = dict[str, Any]

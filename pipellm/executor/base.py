@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.protocol import ModelOutput, SchedulerOutput
 
 
 class WorkerDiedError(RuntimeError):

@@ -23,10 +23,10 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.net import free_port
 from pipellm.executor.pending import PendingOutputs
+from pipellm.protocol import ModelOutput, SchedulerOutput
 
 READY, ERROR = "ready", "error"
 STARTUP_TIMEOUT_S = 300.0

@@ -16,10 +16,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.net import free_port
 from pipellm.executor.pending import PendingOutputs
+from pipellm.protocol import ModelOutput, SchedulerOutput
 
 STARTUP_TIMEOUT_S = 300.0
 

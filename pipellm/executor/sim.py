@@ -18,9 +18,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.model.model_config import ModelConfig
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.partition import partition_layers
 
 # Measured on this project's reference CPU, per thread (see ../shared/CPU_PERF_NOTES.md).

@@ -8,8 +8,8 @@ from concurrent.futures import Future
 import torch
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.worker import StageWorker
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pipellm.protocol import Logprobs
 from pipellm.sampling_params import SamplingParams
-
-Logprobs = tuple[float, list[tuple[int, float]]]
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

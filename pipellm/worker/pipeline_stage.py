@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pipellm.config import DEVICE, EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.worker import StageWorker
 
 MAX_PENDING_SENDS = 8  # bounded: a send's tensor must stay alive until it completes

@@ -8,11 +8,11 @@ import sys
 import torch
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
 from pipellm.model.sampler import sample
-from pipellm.model.weights import iter_quantized_weights, iter_weights
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.model_runner import ModelRunner
 from pipellm.worker.partition import partition_layers
 

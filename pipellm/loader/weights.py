@@ -12,10 +12,10 @@ import gguf
 import torch
 from safetensors import safe_open
 
-from pipellm.model.gguf_file import open_gguf
+from pipellm.loader.gguf_file import open_gguf
+from pipellm.loader.source import ModelSource
 from pipellm.model.gguf_linear import KERNEL_KINDS, QuantizedWeight
 from pipellm.model.model_config import ModelConfig
-from pipellm.model.source import ModelSource
 
 _LAYER_WEIGHTS = (
     "self_attn.q_proj",

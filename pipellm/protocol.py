@@ -1,10 +1,17 @@
-"""What the scheduler sends to every pipeline stage each step: small and picklable on purpose."""
+"""The messages between the engine, the executors and the stage workers, and what the engine
+hands back: one module beneath all of them, so each imports the contract, never its user.
+
+Everything here is small and picklable on purpose: it crosses process boundaries.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from pipellm.sampling_params import SamplingParams
+
+# A sampled token's logprob and the top-n (token_id, logprob) pairs at its position.
+Logprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -52,7 +59,41 @@ class ModelOutput:
 
     step_id: int
     sampled_token_ids: list[int]  # one per request with `sample`, in order
-    # Per sampled request: (sampled token's logprob, [(token_id, logprob), ...]) or None.
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    logprobs: list[Logprobs | None] | None = None  # per sampled request, if it asked
+
     # Per stage: (start, end) wall-clock times of this micro-batch's compute (time.time()).
     stage_times: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass
+class EngineOutput:
+    """New tokens and text of one request since the previous step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    new_logprobs: list[Logprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for logs and /metrics (EngineCore.stats())."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_in_flight: int  # micro-batches submitted and not yet returned
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    # PipelineStats.summary() over a recent window: busy fractions, queue depth, sizes.
+    pipeline: dict[str, float | list[float]]
+    stage_busy_seconds_total: list[float]
+    pipeline_active_seconds_total: float

@@ -7,8 +7,8 @@ dequantized float32 weights, `quantized_linear` on the blocks); every layer has 
 a step streams its weights from memory as a real one does. The two run alternately, and the
 report gives medians over `--repeats` steps for each row count.
 
-    .venv/bin/python bench/gguf_gemm.py                       # 1 2 3 4 6 8 16 rows, 2 threads
-    .venv/bin/python bench/gguf_gemm.py --rows 1 16 --threads 1
+    .venv/bin/python -m pipellm.bench.gguf_gemm        # 1 2 3 4 6 8 16 rows, 2 threads
+    .venv/bin/python -m pipellm.bench.gguf_gemm --rows 1 16 --threads 1
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ run alternately A B C D A B C D ... so machine noise hits all of them alike:
   (c) P=2, balanced          (d) P=1, 2 threads
 Prints throughput, mean TTFT and stage idle fraction of each (medians) and the ratios.
 
-  .venv/bin/python bench/pp_scaling.py [--num-prompts 32 --input-len 1024 --output-len 32]
+  .venv/bin/python -m pipellm.bench.pp_scaling [--num-prompts 32 --input-len 1024 --output-len 32]
 """
 
 from __future__ import annotations
