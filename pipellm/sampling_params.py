@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -23,6 +24,18 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's logits rules (vllm/sampling_params.py): presence and frequency count output tokens
+    # only; repetition (CTRL, arXiv:1909.05858) divides positive logits of prompt and output
+    # tokens and multiplies negative ones.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    bad_words: list[str] = field(default_factory=list)
+    # Filled by the engine (`resolve`): the tokens min_tokens holds back (EOS unless ignored,
+    # plus stop_token_ids) and each bad word's token ids, with and without a leading space.
+    all_stop_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,6 +44,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
+        self.bad_words = [w for w in (self.bad_words or []) if w.strip()]
         checks = [
             (self.n == 1, "n", self.n, "only n=1 is supported; send several requests instead"),
             (self.temperature >= 0, "temperature", self.temperature, "use a value >= 0"),
@@ -50,6 +65,24 @@ class SamplingParams:
                 self.logprobs,
                 "use a value in [0, 20]",
             ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                "presence_penalty",
+                self.presence_penalty,
+                "use a value in [-2, 2]",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty",
+                self.frequency_penalty,
+                "use a value in [-2, 2]",
+            ),
+            (
+                self.repetition_penalty > 0,
+                "repetition_penalty",
+                self.repetition_penalty,
+                "use a value > 0 (1 is off)",
+            ),
         ]
         for ok, name, value, fix in checks:
             if not ok:
@@ -58,3 +91,49 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def has_logits_rules(self) -> bool:
+        """Whether the logits change before sampling; plain requests skip that pass."""
+        return bool(
+            self.has_penalties
+            or self.logit_bias
+            or self.bad_words_token_ids
+            or (self.min_tokens > 0 and self.all_stop_token_ids)
+        )
+
+    def resolve(
+        self, eos_token_ids: tuple[int, ...], encode: Callable[[str], list[int]], vocab_size: int
+    ) -> SamplingParams:
+        """A copy with what needs the model: stop tokens for min_tokens, bad words' token ids.
+
+        Bad words follow vLLM's rule (SamplingParams.update_from_tokenizer): each word is
+        banned as written and, when a leading space makes it a different token sequence of
+        the same length, with that space too, so it is caught mid-text as well.
+        """
+        resolved = replace(self)
+        stops = [] if self.ignore_eos else list(eos_token_ids)
+        resolved.all_stop_token_ids = sorted(set(stops) | set(self.stop_token_ids))
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            resolved.bad_words_token_ids.append(plain)
+            spaced = encode(" " + word.lstrip())
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                resolved.bad_words_token_ids.append(spaced)
+        used = [t for ids in resolved.bad_words_token_ids for t in ids]
+        used += list(self.logit_bias or {}) + self.stop_token_ids
+        bad = next((t for t in used if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} (in logit_bias, stop_token_ids or bad_words) is out of "
+                f"range: ids must lie in [0, {vocab_size})"
+            )
+        return resolved

@@ -243,6 +243,28 @@ def test_stop_string_and_seed(client, offline_greedy, model):
     assert seeded[0] == seeded[1]
 
 
+def test_penalties_and_logit_bias(client, tokenizer, model):
+    """vLLM's sampling fields reach the engine: a +100 bias forces its token, penalties
+    stop greedy repeats."""
+    token = tokenizer.encode(" fox", add_special_tokens=False)[0]
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(token): 100}
+    )
+    assert out.choices[0].text == tokenizer.decode([token] * 4)
+
+    def chat(**extra) -> str:
+        messages = [{"role": "user", "content": "Hi"}]
+        out = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=16, temperature=0, **extra
+        )
+        assert out.usage.completion_tokens == 16
+        return out.choices[0].message.content
+
+    plain = chat(extra_body={"min_tokens": 16})
+    penalised = chat(presence_penalty=2.0, extra_body={"repetition_penalty": 2.0, "min_tokens": 16})
+    assert penalised != plain
+
+
 def test_metrics_exposition(server, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
     values = scrape(server)
@@ -375,6 +397,9 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n=2"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "token id 99999"),
     (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream"),
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     (CHAT, {"messages": []}, 400, "messages"),

@@ -86,6 +86,11 @@ class EngineCore:
         vocab = self.config.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        params = params.resolve(
+            self.eos_token_ids,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            vocab,
+        )
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
         self.scheduler.add_request(request)
         self.num_prompt_tokens += len(prompt_token_ids)

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (completions, chat) and the OpenAI error shape.
 
-Fields the engine cannot honour yet (n > 1, penalties, logit_bias, ...) are accepted by the
-model so that the error can name them, then rejected with a 400 that says what to do instead.
+Fields the engine cannot honour yet are accepted by the model so that the error can name
+them, then rejected with a 400 that says what to do instead.
 """
 
 from __future__ import annotations
@@ -66,17 +66,15 @@ class GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields
+    repetition_penalty: float | None = None
+    bad_words: list[str] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
         """Raises OpenAIError(400) for options this server does not implement."""
         if self.n != 1:
             _unsupported("n", self.n, "only n=1 is supported; send n separate requests")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                _unsupported(name, getattr(self, name), "penalties are not supported; use 0")
-        if self.logit_bias:
-            _unsupported("logit_bias", "{...}", "logit_bias is not supported; leave it out")
         if self.stream_options is not None and not self.stream:
             _unsupported("stream_options", "{...}", "stream_options needs stream=true")
 
@@ -87,6 +85,9 @@ class GenerationRequest(BaseModel):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
         }
         try:
             return SamplingParams(
@@ -99,10 +100,24 @@ class GenerationRequest(BaseModel):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias=self._logit_bias(),
+                bad_words=self.bad_words or [],
                 **{name: value for name, value in optional.items() if value is not None},
             )
         except ValueError as error:
             raise OpenAIError(str(error)) from error
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """Token-id keys as ints; values clamped to OpenAI's [-100, 100], as vLLM does."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(t): min(100.0, max(-100.0, b)) for t, b in self.logit_bias.items()}
+        except ValueError as error:
+            raise OpenAIError(
+                f"logit_bias keys must be token ids written as integers: {error}",
+                param="logit_bias",
+            ) from error
 
     @property
     def include_usage(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pipellm.model.logits_rules import RowRules, apply_logits_rules
 from pipellm.protocol import Logprobs
 from pipellm.sampling_params import SamplingParams
 
@@ -43,12 +44,16 @@ def sample(
     params: list[SamplingParams],
     positions: list[int],
     generator: torch.Generator,
+    rules: list[RowRules | None] | None = None,
 ) -> tuple[list[int], list[Logprobs | None]]:
-    """logits: [S, V] float32; one SamplingParams and output position per row."""
-    tokens = logits.argmax(-1).tolist()  # greedy rows are done here, in one call
+    """logits: [S, V] float32; one SamplingParams and output position per row; `rules` gives
+    the rows with logits rules (penalties, logit_bias, ...) what they read. Logprobs are the
+    raw model's, as vLLM reports by default."""
+    processed = apply_logits_rules(logits, rules) if rules else logits
+    tokens = processed.argmax(-1).tolist()  # greedy rows are done here, in one call
     for row, p in enumerate(params):
         if not p.greedy:
-            tokens[row] = _random_token(logits[row], p, positions[row], generator)
+            tokens[row] = _random_token(processed[row], p, positions[row], generator)
     logprobs: list[Logprobs | None] = [None] * len(params)
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
     if wanted:

@@ -11,8 +11,10 @@ from pipellm.config import EngineConfig
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
 from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
+from pipellm.model.logits_rules import OutputTokenCounts, RowRules
 from pipellm.model.sampler import sample
-from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
+from pipellm.sampling_params import SamplingParams
 from pipellm.worker.model_runner import ModelRunner
 from pipellm.worker.partition import partition_layers
 
@@ -87,6 +89,7 @@ class StageWorker:
             for _ in range(start, end)
         ]
         self.runner = ModelRunner(config.block_size)
+        self.token_counts = OutputTokenCounts(mc.vocab_size) if self.is_last else None
         self.generator = torch.Generator().manual_seed(config.seed)
 
     @torch.inference_mode()
@@ -95,6 +98,8 @@ class StageWorker:
     ) -> torch.Tensor | ModelOutput:
         """Runs this stage's layers; the last stage samples and returns a ModelOutput."""
         self.runner.update_states(scheduler_output)
+        if self.token_counts is not None:
+            self.token_counts.update(scheduler_output)
         input_ids, batch = self.runner.prepare(scheduler_output)
         hidden = self.model(input_ids if self.is_first else hidden_in, batch, self.kv_caches)
         if not self.is_last:
@@ -106,7 +111,15 @@ class StageWorker:
             items = [scheduler_output.requests[i] for i in sampled]
             params = [self.runner.requests[item.request_id].sampling_params for item in items]
             positions = [item.num_output_tokens for item in items]
-            tokens, logprobs = sample(logits, params, positions, self.generator)
+            rules = [self._row_rules(item, p) for item, p in zip(items, params, strict=True)]
+            tokens, logprobs = sample(logits, params, positions, self.generator, rules)
             if all(lp is None for lp in logprobs):
                 logprobs = None
         return ModelOutput(scheduler_output.step_id, tokens, logprobs)
+
+    def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
+        if not params.has_logits_rules:
+            return None
+        token_ids = self.runner.requests[item.request_id].token_ids
+        counts = self.token_counts.requests.get(item.request_id)
+        return RowRules(params, item.num_output_tokens, token_ids, counts)
