@@ -24,9 +24,9 @@ from multiprocessing.connection import Connection, wait
 
 from pipellm.config import EngineConfig
 from pipellm.executor.base import Executor, WorkerDiedError
-from pipellm.executor.net import free_port
 from pipellm.executor.pending import PendingOutputs
 from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.worker.net import LOOPBACK, free_port
 
 READY, ERROR = "ready", "error"
 STARTUP_TIMEOUT_S = 300.0
@@ -187,8 +187,9 @@ def stage_main(
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         from pipellm.worker.pipeline_stage import PipelineStage
+        from pipellm.worker.process_group import Rendezvous
 
-        stage = PipelineStage(config, rank, port)
+        stage = PipelineStage(config, rank, Rendezvous(LOOPBACK, port))
         conn.send((READY, None))
     except BaseException:
         conn.send((ERROR, traceback.format_exc()))

@@ -1,69 +1,132 @@
-"""Pipeline stages as Ray actors: one actor per stage, P micro-batches in flight.
+"""Pipeline stages as Ray actors, on one host or across a cluster: P micro-batches in flight.
 
 Ray carries each SchedulerOutput to every stage actor (actor calls run in submission order);
 hidden states go stage to stage over torch.distributed as in the mp backend, and the last
-actor's return value is the micro-batch's ModelOutput. If this process started Ray, it starts
-it with explicit CPUs, no dashboard and a temp dir of its own, and shuts it down again.
+actor's return value is the micro-batch's ModelOutput. Which Ray, and where each stage runs,
+is ray_cluster's business. Startup, in phases that each fail fast and name the stage and host:
+  1. every actor checks that its host can open the model and says where it runs;
+  2. the first stage opens the rendezvous on its own host's address (loopback when all stages
+     share one host) and the others join it;
+  3. the driver measures each stage's clock offset, so stage timings line up on its clock.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import logging
+import threading
+import time
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipellm.config import EngineConfig
+from pipellm.executor import ray_cluster
 from pipellm.executor.base import Executor, WorkerDiedError
-from pipellm.executor.net import free_port
 from pipellm.executor.pending import PendingOutputs
+from pipellm.executor.ray_stage import StageActor, StageLocation
 from pipellm.protocol import ModelOutput, SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 STARTUP_TIMEOUT_S = 300.0
-
-
-class _StageActor:
-    """Lives in a Ray worker process; wraps the same PipelineStage the mp backend runs."""
-
-    def __init__(self, config: EngineConfig, rank: int, port: int) -> None:
-        from pipellm.worker.pipeline_stage import PipelineStage
-
-        self.stage = PipelineStage(config, rank, port)
-
-    def ready(self) -> int:
-        return os.getpid()
-
-    def step(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:
-        return self.stage.step(scheduler_output)
+CLOCK_SAMPLES = 5
+DIAGNOSE_TIMEOUT_S = 3.0  # a live stage answers a ping queued behind failing steps
 
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.num_stages = config.pipeline_parallel_size
         self._pending = PendingOutputs()
-        self._temp_dir: str | None = None
-        if not ray.is_initialized():
-            self._temp_dir = tempfile.mkdtemp(prefix="pipellm-ray-")
-            ray.init(
-                num_cpus=max(self.num_stages, os.cpu_count() or 1),
-                include_dashboard=False,
-                _temp_dir=self._temp_dir,
-                log_to_driver=False,
-                configure_logging=False,
-            )
-        actor_class = ray.remote(num_cpus=1)(_StageActor)
-        port = free_port()
-        self.actors = [actor_class.remote(config, rank, port) for rank in range(self.num_stages)]
-        self._finalizer = weakref.finalize(self, _stop_ray, self.actors, self._temp_dir)
+        self._closed = False
+        self._failing, self._failed = threading.Lock(), False
+        self.actors: list[Any] = []
+        self._held = _Held(ray_cluster.connect(self.num_stages))
+        # Stop the stages and a private Ray even if the owner forgets to call shutdown().
+        self._finalizer = weakref.finalize(self, _release, self._held)
         try:
-            self.pids = ray.get([a.ready.remote() for a in self.actors], timeout=STARTUP_TIMEOUT_S)
-        except Exception as error:
+            bundle = ray_cluster.stage_bundle(config)
+            self._held.group = ray_cluster.place_stages(self.num_stages, bundle)
+            order = ray_cluster.stage_order(
+                ray_cluster.bundle_nodes(self._held.group),
+                ray.get_runtime_context().get_node_id(),
+            )
+            actor_class = ray.remote(
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                max_restarts=0,
+            )(StageActor)
+            self.actors = [
+                actor_class.options(
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self._held.group, placement_group_bundle_index=order[rank]
+                    )
+                ).remote(config, rank)
+                for rank in range(self.num_stages)
+            ]
+            self._held.actors = self.actors
+            self.locations: list[StageLocation] = self._wait_all(
+                [a.locate.remote() for a in self.actors], "check the model"
+            )
+            self.pids = [loc.pid for loc in self.locations]
+            one_host = len({loc.node_id for loc in self.locations}) == 1
+            first = self.actors[0].open_rendezvous.remote(one_host)
+            host, port = self._wait_all([first], "open the rendezvous")[0]
+            self._wait_all([a.start.remote(host, port, one_host) for a in self.actors], "start")
+            here = ray.get_runtime_context().get_node_id()
+            self.clock_offsets = [  # a stage on the driver's host shares its clock
+                0.0 if loc.node_id == here else _clock_offset(actor)
+                for actor, loc in zip(self.actors, self.locations, strict=True)
+            ]
+        except BaseException:
             self.shutdown()
-            raise WorkerDiedError(f"Ray pipeline stages failed to start: {error}") from error
+            raise
+        for rank, loc in enumerate(self.locations):
+            logger.info(
+                "pipeline stage %d on host %s (%s, pid %d, clock offset %+.3f ms)",
+                rank,
+                loc.address,
+                loc.hostname,
+                loc.pid,
+                self.clock_offsets[rank] * 1e3,
+            )
+        self._pings: list[Any] = []
+
+    def _wait_all(self, refs: list[Any], what: str) -> list[Any]:
+        """Results of one startup phase; the first failure raises at once, naming its stage."""
+        import ray
+
+        waiting = dict(enumerate(refs))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while waiting:
+            ready, _ = ray.wait(
+                list(waiting.values()), timeout=max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                raise WorkerDiedError(
+                    f"Ray pipeline stages did not {what} within {STARTUP_TIMEOUT_S:g} s"
+                )
+            for rank, ref in list(waiting.items()):
+                if ref in ready:
+                    try:
+                        ray.get(ref)
+                    except Exception as error:
+                        raise WorkerDiedError(
+                            f"pipeline stage {rank} ({self._where(rank)}) failed to {what}: "
+                            f"{_cause(error)}"
+                        ) from error
+                    del waiting[rank]
+        return ray.get(refs)
+
+    def _where(self, rank: int) -> str:
+        locations = getattr(self, "locations", None)
+        if locations is None:
+            return "Ray actor"
+        loc = locations[rank]
+        return f"host {loc.address}, pid {loc.pid}"
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
         future = self._pending.add()
@@ -76,29 +139,109 @@ class RayExecutor(Executor):
         return future
 
     def _check(self, done: Future[Any], rank: int) -> None:
-        if done.exception() is not None:
-            self._pending.fail(f"pipeline stage {rank} (Ray actor) failed: {done.exception()}")
+        if done.exception() is None:
+            return
+        with self._failing:
+            if self._failed:
+                return
+            self._failed = True
+        reason = f"pipeline stage {rank} ({self._where(rank)}) failed: {_cause(done.exception())}"
+        # A stage whose peer's host died fails first (its connection is reset): find the stage
+        # that is really gone, off Ray's callback thread, and name it too.
+        threading.Thread(target=self._fail_naming_the_dead, args=(reason,), daemon=True).start()
+
+    def _fail_naming_the_dead(self, reason: str) -> None:
+        import ray
+
+        pings = [actor.ping.remote() for actor in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=DIAGNOSE_TIMEOUT_S)
+        gone = []
+        for rank, ping in enumerate(pings):
+            if ping not in ready:
+                gone.append(f"stage {rank} ({self._where(rank)}) does not answer")
+                continue
+            try:
+                ray.get(ping)
+            except Exception as error:
+                gone.append(f"stage {rank} ({self._where(rank)}) is gone: {_cause(error)}")
+        self._pending.fail("; ".join([reason, *gone]))
 
     def _deliver(self, done: Future[Any]) -> None:
         if done.exception() is not None:
             self._check(done, self.num_stages - 1)
-        else:
-            self._pending.resolve_oldest(done.result())
+            return
+        output: ModelOutput = done.result()
+        # Each stage timed itself on its own clock: move every interval onto the driver's.
+        output.stage_times = [
+            (start - offset, end - offset)
+            for (start, end), offset in zip(output.stage_times, self.clock_offsets, strict=True)
+        ]
+        self._pending.resolve_oldest(output)
 
     def check_health(self) -> None:
+        """Raises if a stage failed; pings every stage, so a stage whose host died while the
+        engine is idle (when the engine calls this) is noticed, too. A ping queues behind the
+        stage's steps, so none is sent while earlier pings are unanswered."""
         if self._pending.dead:
             raise WorkerDiedError(self._pending.dead)
+        if all(ping.future().done() for ping in self._pings):
+            self._pings = [actor.ping.remote() for actor in self.actors]
+            for rank, ping in enumerate(self._pings):
+                ping.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
 
     def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._pending.fail("the executor was shut down", log=False)
         self._finalizer()
 
 
-def _stop_ray(actors: list[Any], temp_dir: str | None) -> None:
+@dataclass
+class _Held:
+    """What the executor must give back: its actors, its placement group, a private Ray."""
+
+    session: ray_cluster.RaySession
+    actors: list[Any] = field(default_factory=list)
+    group: Any = None
+
+
+def _release(held: _Held) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in held.actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # its host may be gone already
+            pass
+    if held.group is not None:
+        try:
+            remove_placement_group(held.group)
+        except Exception:
+            pass
+    ray_cluster.disconnect(held.session)
+
+
+def _clock_offset(actor: Any) -> float:
+    """The stage clock minus the driver's (NTP's estimate: the sample with the shortest
+    round trip, its remote reading taken as the midpoint of the trip)."""
     import ray
 
-    for actor in actors:
-        ray.kill(actor)
-    if temp_dir is not None:  # we started Ray: stop it and its processes
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    best_rtt, best_offset = float("inf"), 0.0
+    for _ in range(CLOCK_SAMPLES):
+        sent = time.time()
+        remote = ray.get(actor.clock.remote())
+        received = time.time()
+        if received - sent < best_rtt:
+            best_rtt, best_offset = received - sent, remote - (sent + received) / 2
+    return best_offset
+
+
+def _cause(error: BaseException) -> str:
+    """The stage's own exception where Ray wrapped one, else Ray's message, in one line."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    text = str(error).strip().splitlines()
+    return text[-1] if text else type(error).__name__

@@ -6,34 +6,33 @@ itself receives hidden states from the previous stage and sends its own to the n
 
 from __future__ import annotations
 
-import os
+import socket
 import time
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
-from pipellm.config import DEVICE, EngineConfig
+from pipellm.config import EngineConfig
 from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.worker.process_group import Rendezvous, join_pipeline_group
 from pipellm.worker.worker import StageWorker
 
 MAX_PENDING_SENDS = 8  # bounded: a send's tensor must stay alive until it completes
 
 
 class PipelineStage:
-    def __init__(self, config: EngineConfig, rank: int, port: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        rendezvous: Rendezvous,
+        listener: socket.socket | None = None,
+    ) -> None:
         torch.set_num_threads(config.threads_per_stage)
-        # NOTE: gloo would otherwise pick the interface of the host name; keep it on loopback.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.rank, self.num_stages = rank, config.pipeline_parallel_size
         self.is_first, self.is_last = rank == 0, rank == self.num_stages - 1
-        backend = "nccl" if DEVICE == "cuda" else "gloo"
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=self.num_stages,
-        )
+        self._group = join_pipeline_group(rendezvous, rank, self.num_stages, listener)
         self.worker = StageWorker(config, rank)
         self.hidden_size = config.model_config.hidden_size
         self.dtype = config.torch_dtype

@@ -1,0 +1,94 @@
+"""What runs inside each stage's Ray actor: the same PipelineStage the mp backend runs, plus
+what a stage on another host must settle first (can it open the model, where does it live)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from pipellm.config import EngineConfig
+from pipellm.loader.registry import find_preset
+from pipellm.loader.source import ModelNotFoundError, resolve_model
+from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.worker.net import LOOPBACK, listening_socket
+
+
+@dataclass(frozen=True)
+class StageLocation:
+    """Where a stage runs, as the stage itself sees it."""
+
+    address: str  # its Ray node's address
+    node_id: str
+    hostname: str
+    pid: int
+    netns: str  # the network namespace (Linux), so a test can tell hosts on one machine apart
+
+
+def config_for_this_host(config: EngineConfig, address: str) -> EngineConfig:
+    """The config with the model as this host has it; a clear error naming the host if not.
+
+    A path must exist on every host. The built-in model is found again here, in this host's
+    own installed package, which may live at another path than on the driver's host.
+    """
+    source = config.source
+    if config.load_format == "dummy" or source.path.exists():
+        return config
+    if find_preset(source.name) is not None:
+        try:
+            config.source = resolve_model(source.name)
+            return config
+        except ModelNotFoundError as error:
+            raise ModelNotFoundError(f"host {address} ({socket.gethostname()}): {error}") from None
+    raise ModelNotFoundError(
+        f"host {address} ({socket.gethostname()}) cannot open the model: {source.path} does not "
+        "exist there. Every host of the cluster needs the model at the same path (or use the "
+        "built-in model, installed on each host)"
+    )
+
+
+class StageActor:
+    """One pipeline stage as a Ray actor (made remote by the executor, with its resources)."""
+
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        import ray
+
+        self.config, self.rank = config, rank
+        self.address = ray.util.get_node_ip_address()
+        self.listener: socket.socket | None = None
+        self.stage = None
+
+    def locate(self) -> StageLocation:
+        import ray
+
+        self.config = config_for_this_host(self.config, self.address)
+        return StageLocation(
+            self.address,
+            ray.get_runtime_context().get_node_id(),
+            socket.gethostname(),
+            os.getpid(),
+            os.readlink("/proc/self/ns/net") if os.path.exists("/proc/self/ns/net") else "",
+        )
+
+    def open_rendezvous(self, one_host: bool) -> tuple[str, int]:
+        """The first stage listens on its host's address (loopback when all share one host)."""
+        self.listener = listening_socket(LOOPBACK if one_host else self.address)
+        return self.listener.getsockname()[:2]
+
+    def start(self, host: str, port: int, one_host: bool) -> None:
+        from pipellm.worker.pipeline_stage import PipelineStage
+        from pipellm.worker.process_group import Rendezvous
+
+        local = LOOPBACK if one_host else self.address
+        rendezvous = Rendezvous(host, port, local)
+        self.stage = PipelineStage(self.config, self.rank, rendezvous, self.listener)
+
+    def clock(self) -> float:
+        return time.time()
+
+    def ping(self) -> bool:
+        return True
+
+    def step(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:
+        return self.stage.step(scheduler_output)

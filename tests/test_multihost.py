@@ -1,0 +1,47 @@
+"""Stages on two real hosts: two network namespaces joined by a veth pair, a Ray node in each."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipellm import LLM
+from pipellm.bench.netns_cluster import TwoHostCluster, unavailable_reason
+from tests.multihost_driver import GREEDY, PROMPTS
+
+pytest.importorskip("ray")
+REASON = unavailable_reason()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no two-host cluster here: {REASON}")
+def test_two_hosts_give_the_mp_tokens_and_a_dead_host_is_a_clear_error(tmp_path, reaped):
+    with LLM(pipeline_parallel_size=2) as llm:  # the mp backend, on this host
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    with TwoHostCluster(num_cpus=1) as cluster:
+        pid_file = tmp_path / "raylet.pid"
+        pid_file.write_text(str(cluster.raylet_pid(1)))
+        done = cluster.exec(
+            0,
+            [sys.executable, str(ROOT / "tests" / "multihost_driver.py"), str(pid_file)],
+            env={**cluster.driver_env(), "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        print(json.dumps(report, indent=1))
+        stage_pids = [stage["pid"] for stage in report["stages"]]
+        left = [pid for host in (0, 1) for pid in cluster.pids(host) if pid in stage_pids]
+    # One stage per host: each ran in its own namespace, at its own address.
+    assert [s["address"] for s in report["stages"]] == cluster.addresses
+    assert len({s["netns"] for s in report["stages"]}) == 2
+    assert report["tokens"] == expected
+    assert "need 3 x 1 CPU (the cluster has 2)" in report["too_big"]["error"]
+    assert "pipeline stage 1" in report["killed"]["error"], report["killed"]
+    assert report["killed"]["seconds"] < 10
+    assert not left, f"stage processes outlived the run: {left}"

