@@ -74,6 +74,7 @@ class EngineConfig:
     served_model_name: str | None = None
     trace_file: str | None = None
     sim_speedup: float = 1.0  # sim backend: modelled stages run this many times faster
+    sim_profile: str | None = None  # sim backend: profile JSON of step times (docs/simulation.md)
     # Resolved on construction:
     source: ModelSource = field(init=False)
     model_config: ModelConfig = field(init=False)
@@ -121,6 +122,8 @@ class EngineConfig:
 
         if self.sim_speedup <= 0:
             _fail("sim_speedup", self.sim_speedup, "use a positive factor")
+        if self.sim_profile is not None and self.distributed_executor_backend != "sim":
+            _fail("sim_profile", self.sim_profile, "it needs distributed_executor_backend=sim")
         needs_weights = self.load_format != "dummy" and self.distributed_executor_backend != "sim"
         self.source = resolve_model(self.model, require_weights=needs_weights)
         wanted = {"safetensors": "hf", "gguf": "gguf"}.get(self.load_format)
@@ -131,6 +134,7 @@ class EngineConfig:
             )
         self.model_config = load_model_config(self.source)
         self._resolve_quantization()
+        self._apply_sim_profile()
         self._check_against_model()
 
     def _resolve_quantization(self) -> None:
@@ -143,6 +147,23 @@ class EngineConfig:
             _fail("quantization", "gguf", "it needs a .gguf model (and not load_format=dummy)")
         elif self.quantization == "gguf" and self.torch_dtype != torch.float32:
             _fail("quantization", "gguf", f"its kernel computes in float32, not {self.dtype}")
+
+    def _apply_sim_profile(self) -> None:
+        """A profile that states the pipeline's KV capacity sets the cache size, unless
+        kv_cache_memory is given."""
+        if self.sim_profile is None:
+            return
+        from pipellm.sim.profile import ProfileError, load_profile
+
+        try:
+            profile = load_profile(self.sim_profile)
+            capacity = profile.kv_capacity(
+                self.model_config.hf_config_kwargs(), self.pipeline_parallel_size
+            )
+        except ProfileError as error:
+            raise ConfigError(f"invalid setting sim_profile: {error}") from None
+        if capacity is not None and self.kv_cache_memory is None:
+            self.kv_cache_memory = -(-capacity // self.block_size) * self.kv_bytes_per_block
 
     def _check_against_model(self) -> None:
         context = self.model_config.max_position_embeddings

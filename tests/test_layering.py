@@ -18,6 +18,7 @@ LAYERS = [
     "model",  # nn modules
     "loader",  # where a model and its weights come from
     "text",  # tokenizer, detokenizer
+    "sim",  # modelled stage times: profiles, cost models, the virtual clock
     "config",  # every engine setting, checked against the model
     "worker",  # one pipeline stage
     "executor",  # how the stages run

@@ -35,10 +35,9 @@ def test_busy_and_idle_fractions_over_active_time():
     )
 
 
-def test_running_totals_keep_counting_past_the_kept_records(monkeypatch):
+def test_running_totals_keep_counting_past_the_kept_records():
     clock = iter([0.0, 0.5, 2.0, 3.0, 10.0, 12.0])
-    monkeypatch.setattr("pipellm.engine.pipeline_stats.time.time", lambda: next(clock))
-    stats = PipelineStats(num_stages=2, max_records=2)
+    stats = PipelineStats(num_stages=2, max_records=2, clock=lambda: next(clock))
     stats.on_submit(0, 1, 10, 1)
     stats.on_submit(1, 1, 10, 2)
     stats.on_done(0, [(0.0, 1.0), (1.0, 2.0)])

@@ -34,6 +34,12 @@ MAX_ERRORS_SHOWN = 3
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Every flag of `pipellm bench serve`, named and defaulted like `vllm bench serve`."""
+    _add_server_args(parser)
+    add_workload_args(parser)
+    add_output_args(parser)
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument(
         "--backend",
@@ -69,6 +75,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Seconds one request may take before it counts as failed.",
     )
 
+
+def add_workload_args(parser: argparse.ArgumentParser, seed: bool = True) -> None:
+    """The dataset and load flags (`pipellm simulate` takes them too; its engine's --seed
+    doubles as the workload's, so seed=False leaves that flag out)."""
     data = parser.add_argument_group("dataset")
     data.add_argument(
         "--dataset-name",
@@ -127,13 +137,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="Requests sent before the timed run and left out of every figure.",
     )
-    load.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrival times.")
+    if seed:
+        load.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrival times.")
     load.add_argument(
         "--ignore-eos",
         action="store_true",
         help="Ask the server to ignore EOS (always on for the random dataset).",
     )
 
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
     output = parser.add_argument_group("output")
     output.add_argument(
         "--percentile-metrics",
@@ -184,7 +197,7 @@ def load_tokenizer(name: str) -> TokenizerLike:
     from pipellm.text.tokenizer import load_tokenizer as load_model_tokenizer
 
     try:
-        return load_model_tokenizer(resolve_model(name))
+        return load_model_tokenizer(resolve_model(name, require_weights=False))
     except Exception as e:
         raise SystemExit(
             f"could not load the tokenizer of {name!r} ({e}); pass --tokenizer PATH "
@@ -208,9 +221,9 @@ async def fetch_first_model(base_url: str) -> str:
 
 def run(args: argparse.Namespace, model: str, tokenizer: TokenizerLike) -> dict[str, Any]:
     """Sample prompts, run warmups and the timed run, print the table; returns the result."""
-    selected_metrics, percentiles = _check_args(args)
+    check_args(args)
     chat = is_chat_endpoint(args.endpoint)
-    requests = _sample_requests(args, tokenizer, args.num_prompts + args.num_warmups)
+    requests = sample_requests(args, tokenizer, args.num_prompts + args.num_warmups)
     ignore_eos = args.ignore_eos or args.dataset_name == "random"
     payloads = [build_payload(request, model, chat, ignore_eos) for request in requests]
     url = _base_url(args) + args.endpoint
@@ -220,6 +233,18 @@ def run(args: argparse.Namespace, model: str, tokenizer: TokenizerLike) -> dict[
         f"{args.max_concurrency or 'unlimited'}, {args.num_warmups} warmups"
     )
     outputs, benchmark_start, duration = asyncio.run(_benchmark(args, url, requests, payloads))
+    return report(args, model, outputs, benchmark_start, duration)
+
+
+def report(
+    args: argparse.Namespace,
+    model: str,
+    outputs: list[RequestOutput],
+    benchmark_start: float,
+    duration: float,
+) -> dict[str, Any]:
+    """Prints the table and saves and plots the result, as --save-result etc. ask."""
+    selected_metrics, percentiles = check_args(args)
     figures = compute_metrics(outputs, benchmark_start, duration, percentiles)
 
     errors = Counter(out.error for out in outputs if not out.success)
@@ -246,7 +271,7 @@ def run(args: argparse.Namespace, model: str, tokenizer: TokenizerLike) -> dict[
     return result
 
 
-def _check_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     """Fail early on bad settings; returns the selected metrics and percentiles."""
     if args.num_prompts < 1:
         raise SystemExit(f"--num-prompts must be at least 1, got {args.num_prompts}")
@@ -278,7 +303,7 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     return selected, percentiles
 
 
-def _sample_requests(
+def sample_requests(
     args: argparse.Namespace, tokenizer: TokenizerLike, count: int
 ) -> list[SampleRequest]:
     # Warmups are drawn after the timed prompts, so --num-warmups never changes those.

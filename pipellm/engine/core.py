@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from pipellm.config import EngineConfig
@@ -32,8 +33,14 @@ STATS_WINDOW_S = 60.0  # stats().pipeline (and /metrics' busy gauge) cover this 
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
+        self.clock = clock  # pipellm simulate passes a virtual clock's
         source = resolve_model(config.tokenizer) if config.tokenizer else config.source
         self.tokenizer: Tokenizer = load_tokenizer(source)
         # generation_config.json may name more end tokens than the tokenizer does.
@@ -65,8 +72,8 @@ class EngineCore:
         self.batch_queue_depth = self.executor.num_stages
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         self.texts: dict[str, TextState] = {}
-        self.pipeline_stats = PipelineStats(self.executor.num_stages)
-        self._last_log = time.time()
+        self.pipeline_stats = PipelineStats(self.executor.num_stages, clock=clock)
+        self._last_log = clock()
         self.num_prompt_tokens = 0  # counters for metrics: prompt tokens admitted
         self.num_generation_tokens = 0
 
@@ -127,7 +134,7 @@ class EngineCore:
         return self._apply(scheduler_output, model_output)
 
     def _maybe_log_stats(self) -> None:
-        now = time.time()
+        now = self.clock()
         if now - self._last_log < STATS_LOG_INTERVAL_S:
             return
         summary = self.pipeline_stats.summary(since=self._last_log)
@@ -157,7 +164,7 @@ class EngineCore:
             num_in_flight=len(self.in_flight),
             prompt_tokens_total=self.num_prompt_tokens,
             generation_tokens_total=self.num_generation_tokens,
-            pipeline=self.pipeline_stats.summary(since=time.time() - STATS_WINDOW_S),
+            pipeline=self.pipeline_stats.summary(since=self.clock() - STATS_WINDOW_S),
             stage_busy_seconds_total=list(self.pipeline_stats.stage_busy_total),
             pipeline_active_seconds_total=self.pipeline_stats.active_total,
         )

@@ -122,7 +122,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
     conn.send((READY, os.getpid()))
     exit_code = 0
     try:
-        _serve(core, conn, inbox)
+        serve_messages(core, conn, inbox)
     except SystemExit:
         logger.info("engine core stopping on SIGTERM")
     except BaseException as error:
@@ -151,8 +151,10 @@ def _read_inputs(conn: Connection, inbox: queue.SimpleQueue[Message]) -> None:
         inbox.put((SHUTDOWN,))  # the API process is gone: stop and reap the stages
 
 
-def _serve(core: EngineCore, conn: Connection, inbox: queue.SimpleQueue[Message]) -> None:
-    """Blocks on the inbox when idle; when busy, takes what arrived, then steps.
+def serve_messages(core: EngineCore, conn: Connection, inbox: queue.SimpleQueue[Message]) -> None:
+    """The engine loop: blocks on the inbox when idle; when busy, takes what arrived, then steps.
+
+    `pipellm simulate` runs this same loop with an inbox and connection in virtual time.
 
     NOTE: while requests are unfinished, step() always has work or blocks on an in-flight
     micro-batch (the config guarantees a lone request fits the KV cache), so this never spins.

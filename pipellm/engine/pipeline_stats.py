@@ -11,6 +11,7 @@ import itertools
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -26,8 +27,14 @@ class MicroBatchRecord:
 
 
 class PipelineStats:
-    def __init__(self, num_stages: int, max_records: int = 200_000) -> None:
+    def __init__(
+        self,
+        num_stages: int,
+        max_records: int = 200_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.num_stages = num_stages
+        self.clock = clock
         self.records: deque[MicroBatchRecord] = deque(maxlen=max_records)  # the newest
         self._submitted: dict[int, tuple[float, int, int, int]] = {}
         # Running totals since start, for counters (records only keep the newest).
@@ -36,11 +43,11 @@ class PipelineStats:
         self._active_until = 0.0
 
     def on_submit(self, step_id: int, num_requests: int, num_tokens: int, depth: int) -> None:
-        self._submitted[step_id] = (time.time(), num_requests, num_tokens, depth)
+        self._submitted[step_id] = (self.clock(), num_requests, num_tokens, depth)
 
     def on_done(self, step_id: int, stage_times: list[tuple[float, float]]) -> None:
         submitted, num_requests, num_tokens, depth = self._submitted.pop(step_id)
-        done = time.time()
+        done = self.clock()
         self.records.append(
             MicroBatchRecord(step_id, submitted, done, num_requests, num_tokens, depth, stage_times)
         )

@@ -1,4 +1,4 @@
-"""`pipellm` command line: generate, serve, bench serve, demo."""
+"""`pipellm` command line: generate, serve, simulate, bench serve, demo."""
 
 from __future__ import annotations
 
@@ -101,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     _add_serve_parser(sub)
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="bench serve's workload against the real engine over modelled stages, in virtual time",
+        description="Runs the engine loop and scheduler over modelled pipeline stages "
+        "(--sim-profile) on a virtual clock and prints `bench serve`'s table for the workload "
+        "the dataset and load flags describe (docs/simulation.md).",
+    )
+    from pipellm.entrypoints.simulate import add_cli_args as add_simulate_args
+
+    add_simulate_args(simulate)
 
     demo = sub.add_parser("demo", help="the main job on the built-in model")
     demo.set_defaults(func=_demo)

@@ -107,6 +107,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="sim backend: run the modelled stages this many times faster than real time",
     )
+    g.add_argument(
+        "--sim-profile",
+        metavar="FILE.json",
+        help="sim backend: step times from this profile (a hardware roofline or coefficients "
+        "measured by `pipellm profile`; docs/simulation.md); default: this CPU's roofline",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -24,5 +24,5 @@ def make_executor(config: EngineConfig) -> Executor:
     if backend == "sim":
         from pipellm.executor.sim import SimExecutor
 
-        return SimExecutor(config, speedup=config.sim_speedup)
+        return SimExecutor(config)
     raise NotImplementedError(f"distributed_executor_backend={backend!r} is not available yet")

@@ -1,11 +1,16 @@
 """Modelled pipeline stages: the engine, scheduler and batch queue run for real, the model
 does not.
 
-Each stage is a thread that "computes" a micro-batch by sleeping for the time a roofline model
-gives it (weights streamed once per micro-batch versus arithmetic on its tokens), then hands it
-to the next stage. The last stage returns made-up but deterministic tokens. Sleeping threads
-overlap exactly as real stages on separate devices would, so the seed's scenario (8 stages,
-one micro-batch, seven idle) can be reproduced, measured and drawn on a laptop in seconds.
+A profile (pipellm/sim/profile.py; by default a roofline of this project's reference CPU)
+gives each stage's time for a micro-batch; the last stage returns made-up but deterministic
+tokens. Two ways to spend that time:
+
+- `SimExecutor`, real time: each stage is a thread that sleeps for its step time, so stages
+  overlap as they would on separate devices and a server can be load-tested as usual.
+- `VirtualSimExecutor`, virtual time: stages are FIFO servers, so a micro-batch's whole
+  passage is known when it is submitted; its future is complete at once, and waiting for it
+  moves a `VirtualClock` to its finish time. The engine loop cannot tell the difference, so
+  `pipellm simulate` runs the real engine in a fraction of the time it models.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import threading
 import time
 import zlib
 from concurrent.futures import Future
-from dataclasses import dataclass
+from typing import Any
 
 from pipellm.config import EngineConfig
 from pipellm.executor.base import Executor, WorkerDiedError
-from pipellm.model.model_config import ModelConfig
 from pipellm.protocol import ModelOutput, SchedulerOutput
-from pipellm.worker.partition import partition_layers
+from pipellm.sim.clock import VirtualClock
+from pipellm.sim.cost import Hardware, Link, Precision
+from pipellm.sim.profile import Profile, load_profile
+from pipellm.sim.shapes import BatchShape
 
 # Measured on this project's reference CPU, per thread (see ../shared/CPU_PERF_NOTES.md).
 FLOPS_PER_THREAD = 155e9
@@ -29,100 +36,107 @@ BYTES_PER_S_PER_THREAD = 12.8e9
 STEP_OVERHEAD_S = 2.5e-3  # Python and framework overhead of one stage step
 
 
-@dataclass(frozen=True)
-class StageCostModel:
-    """Roofline time of one micro-batch on one stage."""
+def cpu_profile(config: EngineConfig) -> Profile:
+    """The default: a roofline of the reference CPU with the stage's threads."""
+    threads = config.threads_per_stage
+    itemsize = config.torch_dtype.itemsize
+    return Profile(
+        cost_model="roofline",
+        link=Link(),
+        hardware=Hardware(
+            flops_per_s=FLOPS_PER_THREAD * threads,
+            bytes_per_s=BYTES_PER_S_PER_THREAD * threads,
+            step_overhead_s=STEP_OVERHEAD_S,
+        ),
+        precision=Precision(
+            weight_bytes=itemsize,
+            head_bytes=itemsize,
+            kv_bytes=config.cache_dtype.itemsize,
+            activation_bytes=itemsize,
+        ),
+        description="reference CPU roofline",
+    )
 
-    num_layers: int
-    is_last: bool
-    layer_params: int
-    head_params: int
-    attention_flops_per_context_token: int  # per query token, per layer
-    bytes_per_param: int
-    flops_per_s: float
-    bytes_per_s: float
 
-    @classmethod
-    def for_stage(cls, config: EngineConfig, stage: int, speedup: float) -> StageCostModel:
-        mc: ModelConfig = config.model_config
-        q = mc.num_attention_heads * mc.head_dim
-        kv = mc.num_key_value_heads * mc.head_dim
-        start, end = partition_layers(mc.num_hidden_layers, config.pipeline_parallel_size)[stage]
-        threads = config.threads_per_stage
-        return cls(
-            num_layers=end - start,
-            is_last=stage == config.pipeline_parallel_size - 1,
-            layer_params=mc.hidden_size * (2 * q + 2 * kv)
-            + 3 * mc.hidden_size * mc.intermediate_size,
-            head_params=mc.vocab_size * mc.hidden_size,
-            attention_flops_per_context_token=4 * q,
-            bytes_per_param=config.torch_dtype.itemsize,
-            flops_per_s=FLOPS_PER_THREAD * threads * speedup,
-            bytes_per_s=BYTES_PER_S_PER_THREAD * threads * speedup,
-        )
-
-    def seconds(self, scheduler_output: SchedulerOutput) -> float:
-        tokens = scheduler_output.num_tokens
-        # Each query token attends to its context: sum over the chunk of (position + 1).
-        context = sum(
-            r.num_scheduled_tokens * (r.num_computed_tokens + (r.num_scheduled_tokens + 1) / 2)
-            for r in scheduler_output.requests
-        )
-        flops = self.num_layers * (
-            2 * self.layer_params * tokens + self.attention_flops_per_context_token * context
-        )
-        weight_bytes = self.num_layers * self.layer_params * self.bytes_per_param
-        if self.is_last:
-            flops += 2 * self.head_params * scheduler_output.num_sampled
-            weight_bytes += self.head_params * self.bytes_per_param
-        return STEP_OVERHEAD_S + max(flops / self.flops_per_s, weight_bytes / self.bytes_per_s)
+def profile_for(config: EngineConfig) -> Profile:
+    return load_profile(config.sim_profile) if config.sim_profile else cpu_profile(config)
 
 
 def fake_token(request_id: str, position: int, vocab_size: int) -> int:
     return zlib.crc32(f"{request_id}:{position}".encode()) % vocab_size
 
 
-class SimExecutor(Executor):
-    def __init__(self, config: EngineConfig, speedup: float = 1.0) -> None:
+class _ModelledStages(Executor):
+    """What both executors share: step and link times, and the tokens the last stage returns."""
+
+    def __init__(self, config: EngineConfig, profile: Profile | None = None) -> None:
         self.num_stages = config.pipeline_parallel_size
         self.vocab_size = config.model_config.vocab_size
-        self.costs = [StageCostModel.for_stage(config, s, speedup) for s in range(self.num_stages)]
+        self.speedup = config.sim_speedup
+        self.profile = profile or profile_for(config)
+        self.served_model: dict[str, Any] = config.model_config.hf_config_kwargs()
+        self.costs = self.profile.stage_costs(self.served_model, self.num_stages)
+        self.dispatch_s = self.profile.link.dispatch_s / self.speedup
+        self._closed = False
+
+    def step_times(self, scheduler_output: SchedulerOutput) -> tuple[list[float], float]:
+        """(each stage's compute seconds, seconds from one stage to the next)."""
+        batch = BatchShape.of(scheduler_output)
+        times = [cost.seconds(batch) / self.speedup for cost in self.costs]
+        return times, self.profile.link_seconds(batch, self.served_model) / self.speedup
+
+    def output(
+        self, scheduler_output: SchedulerOutput, stage_times: list[tuple[float, float]]
+    ) -> ModelOutput:
+        tokens = [
+            fake_token(r.request_id, r.num_output_tokens, self.vocab_size)
+            for r in scheduler_output.requests
+            if r.sample
+        ]
+        return ModelOutput(scheduler_output.step_id, tokens, stage_times=stage_times)
+
+    def check_health(self) -> None:
+        if self._closed:
+            raise WorkerDiedError("the executor was shut down")
+
+
+class SimExecutor(_ModelledStages):
+    """Real time: one sleeping thread per stage."""
+
+    def __init__(self, config: EngineConfig, profile: Profile | None = None) -> None:
+        super().__init__(config, profile)
         self.inboxes: list[queue.Queue] = [queue.Queue() for _ in range(self.num_stages)]
         self.threads = [
             threading.Thread(target=self._stage, args=(s,), daemon=True, name=f"sim-stage-{s}")
             for s in range(self.num_stages)
         ]
-        self._closed = False
         for thread in self.threads:
             thread.start()
 
     def _stage(self, stage: int) -> None:
         while (item := self.inboxes[stage].get()) is not None:
-            scheduler_output, future, times = item
+            scheduler_output, future, durations, link, dispatched_at, times = item
+            # Wait for the hidden states to cross the link from the stage before (the first
+            # stage: for the engine's dispatch).
+            ready_at = times[-1][1] + link if times else dispatched_at
+            time.sleep(max(0.0, ready_at - time.time()))
             started = time.time()
-            time.sleep(self.costs[stage].seconds(scheduler_output))
+            time.sleep(durations[stage])
             times.append((started, time.time()))
             if stage + 1 < self.num_stages:
                 self.inboxes[stage + 1].put(item)
                 continue
-            tokens = [
-                fake_token(r.request_id, r.num_output_tokens, self.vocab_size)
-                for r in scheduler_output.requests
-                if r.sample
-            ]
-            future.set_result(ModelOutput(scheduler_output.step_id, tokens, stage_times=times))
+            future.set_result(self.output(scheduler_output, times))
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
         future: Future[ModelOutput] = Future()
         if self._closed:
             future.set_exception(WorkerDiedError("the executor was shut down"))
         else:
-            self.inboxes[0].put((scheduler_output, future, []))
+            durations, link = self.step_times(scheduler_output)
+            dispatched_at = time.time() + self.dispatch_s
+            self.inboxes[0].put((scheduler_output, future, durations, link, dispatched_at, []))
         return future
-
-    def check_health(self) -> None:
-        if self._closed:
-            raise WorkerDiedError("the executor was shut down")
 
     def shutdown(self) -> None:
         self._closed = True
@@ -130,3 +144,47 @@ class SimExecutor(Executor):
             inbox.put(None)
         for thread in self.threads:
             thread.join(timeout=5.0)
+
+
+class _VirtualFuture(Future):
+    """Complete from the start; waiting for it is waiting until `done_at` on the clock."""
+
+    def __init__(self, clock: VirtualClock, done_at: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.done_at = done_at
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.clock.advance_to(self.done_at)
+        return super().result(timeout)
+
+
+class VirtualSimExecutor(_ModelledStages):
+    """Virtual time: each stage is a FIFO server whose next free instant is all its state."""
+
+    def __init__(
+        self, config: EngineConfig, clock: VirtualClock, profile: Profile | None = None
+    ) -> None:
+        super().__init__(config, profile)
+        self.clock = clock
+        self.stage_free_at = [0.0] * self.num_stages
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
+        durations, link = self.step_times(scheduler_output)
+        arrival = self.clock.now + self.dispatch_s
+        stage_times = []
+        for stage, duration in enumerate(durations):
+            start = max(arrival, self.stage_free_at[stage])
+            end = start + duration
+            self.stage_free_at[stage] = end
+            stage_times.append((start, end))
+            arrival = end + link
+        future = _VirtualFuture(self.clock, stage_times[-1][1])
+        if self._closed:
+            future.set_exception(WorkerDiedError("the executor was shut down"))
+        else:
+            future.set_result(self.output(scheduler_output, stage_times))
+        return future
+
+    def shutdown(self) -> None:
+        self._closed = True

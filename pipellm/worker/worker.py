@@ -13,10 +13,10 @@ from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
 from pipellm.model.sampler import sample
+from pipellm.model.stage_spec import partition_layers
 from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from pipellm.worker.model_runner import ModelRunner
-from pipellm.worker.partition import partition_layers
 
 # glibc mallopt parameters, and the values that keep freed activations in the heap.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3

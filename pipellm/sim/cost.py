@@ -1,0 +1,132 @@
+"""Step time of one micro-batch on one stage: a roofline of hardware, or a fitted line.
+
+Roofline (hardware described, docs/simulation.md):
+    time = step_overhead + max(GEMM FLOPs / flops_per_s + attention FLOPs / attention_flops_per_s,
+                               bytes read / bytes_per_s)
+where the bytes are the stage's dense weights, the routed experts the batch touches, the KV
+cache its requests attend to, and (last stage) the lm_head.
+
+Linear (measured on this machine by `pipellm profile`, or written by hand):
+    time = step_s + L (layer_s + layer_token_s T + layer_request_s R + layer_pair_s A)
+           [+ head_s + head_sampled_s S on the last stage]
+for L layers, T tokens, R requests, A attention pairs and S sampled rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from pipellm.sim.shapes import BatchShape, LayerShape
+
+
+class StageCost(Protocol):
+    def seconds(self, batch: BatchShape) -> float:
+        """Seconds the stage computes this micro-batch."""
+        ...
+
+
+@dataclass(frozen=True)
+class LinearCoefficients:
+    step_s: float = 0.0
+    layer_s: float = 0.0
+    layer_token_s: float = 0.0
+    layer_request_s: float = 0.0
+    layer_pair_s: float = 0.0
+    head_s: float = 0.0
+    head_sampled_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LinearStageCost:
+    num_layers: int
+    is_last: bool
+    c: LinearCoefficients
+
+    def seconds(self, batch: BatchShape) -> float:
+        c = self.c
+        per_layer = (
+            c.layer_s
+            + c.layer_token_s * batch.num_tokens
+            + c.layer_request_s * batch.num_requests
+            + c.layer_pair_s * batch.attention_pairs
+        )
+        head = c.head_s + c.head_sampled_s * batch.num_sampled if self.is_last else 0.0
+        return c.step_s + self.num_layers * per_layer + head
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One stage's device. FLOP/s and bandwidth are what a step achieves, not marketing peaks,
+    unless the profile says otherwise (docs/simulation.md)."""
+
+    flops_per_s: float  # GEMMs at the weights' precision
+    bytes_per_s: float  # device memory
+    step_overhead_s: float = 0.0  # launch and framework time of one stage step
+    attention_flops_per_s: float | None = None  # default: flops_per_s
+    memory_bytes: float | None = None  # per device: with memory_utilization, the KV capacity
+    memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class Link:
+    """Between consecutive stages: each micro-batch's hidden states cross it."""
+
+    latency_s: float = 0.0
+    bytes_per_s: float = math.inf
+    # The engine's submit -> the first stage starts (scheduling, serializing, IPC); it
+    # delays every micro-batch, and the stage idles if nothing else is queued.
+    dispatch_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The serving path around the engine, as `pipellm simulate` models it."""
+
+    request_latency_s: float = 0.0  # a client's send -> the engine has it (HTTP, tokenizing)
+    output_latency_s: float = 0.0  # the engine emits a token -> the client has it
+    send_interval_s: float = 0.0  # the client sends one request at a time, this far apart
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per stored value."""
+
+    weight_bytes: float  # decoder layers' parameters
+    head_bytes: float  # lm_head
+    kv_bytes: float  # one cached KV element
+    activation_bytes: float = 2.0  # hidden states sent between stages
+
+
+@dataclass(frozen=True)
+class RooflineStageCost:
+    layers: tuple[LayerShape, ...]
+    head_params: int  # 0 except on the last stage
+    hw: Hardware
+    precision: Precision
+
+    def seconds(self, batch: BatchShape) -> float:
+        hw, p = self.hw, self.precision
+        tokens = batch.num_tokens
+        gemm_flops = attention_flops = bytes_read = 0.0
+        for layer in self.layers:
+            experts = layer.expected_experts_touched(tokens)
+            gemm_flops += (
+                2 * tokens * (layer.dense_params + layer.experts_per_token * layer.expert_params)
+            )
+            attention_flops += layer.attention_flops_per_pair * batch.attention_pairs
+            bytes_read += (layer.dense_params + experts * layer.expert_params) * p.weight_bytes
+            bytes_read += layer.kv_elements_per_token * batch.context_tokens * p.kv_bytes
+        gemm_flops += 2 * batch.num_sampled * self.head_params
+        bytes_read += self.head_params * p.head_bytes
+        compute = gemm_flops / hw.flops_per_s
+        compute += attention_flops / (hw.attention_flops_per_s or hw.flops_per_s)
+        return hw.step_overhead_s + max(compute, bytes_read / hw.bytes_per_s)
+
+    def weight_bytes(self) -> float:
+        """Bytes of the stage's weights held on its device (every expert)."""
+        params = sum(
+            layer.dense_params + layer.num_experts * layer.expert_params for layer in self.layers
+        )
+        return params * self.precision.weight_bytes + self.head_params * self.precision.head_bytes

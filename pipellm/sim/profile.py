@@ -1,0 +1,187 @@
+"""Sim profiles: JSON files that say how long a stage takes to compute a micro-batch.
+
+A profile is either a hardware description (`"cost_model": "roofline"`) or coefficients
+fitted to measured steps (`"cost_model": "linear"`, written by `pipellm profile`); see
+pipellm/sim/cost.py for both formulas and docs/simulation.md for every field. The model's
+shapes come from the profile's `"model"` (a Hugging Face config.json, inline, or a path
+relative to the profile), else from the served model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from pipellm.model.stage_spec import partition_layers
+from pipellm.sim.cost import (
+    Hardware,
+    LinearCoefficients,
+    LinearStageCost,
+    Link,
+    Precision,
+    RooflineStageCost,
+    Serving,
+    StageCost,
+)
+from pipellm.sim.shapes import BatchShape, model_shape
+
+COST_MODELS = ("roofline", "linear")
+# Keys a profile may hold beyond its sections; free-form notes for readers.
+NOTE_KEYS = {"description", "sources", "assumptions", "fit", "measured_on"}
+
+
+class ProfileError(ValueError):
+    """A profile file is unreadable or malformed; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    cost_model: str
+    link: Link
+    serving: Serving = Serving()
+    kv_capacity_tokens: int | None = None  # over the whole pipeline; None: from memory
+    model: dict[str, Any] | None = None  # Hugging Face config.json of the modelled model
+    hardware: Hardware | None = None  # roofline
+    precision: Precision | None = None  # roofline
+    linear: LinearCoefficients | None = None  # linear
+    description: str = ""
+
+    # ---- costs -----------------------------------------------------------------------------
+
+    def stage_costs(self, served_model: dict[str, Any], num_stages: int) -> list[StageCost]:
+        """One cost per stage, the model's layers split as the engine splits them."""
+        cfg = self.model or served_model
+        ranges = partition_layers(cfg["num_hidden_layers"], num_stages)
+        last = num_stages - 1
+        if self.linear is not None:
+            return [
+                LinearStageCost(end - start, s == last, self.linear)
+                for s, (start, end) in enumerate(ranges)
+            ]
+        assert self.hardware is not None and self.precision is not None
+        shape = model_shape(cfg)
+        return [
+            RooflineStageCost(
+                tuple(shape.layers[start:end]),
+                shape.head_params if s == last else 0,
+                self.hardware,
+                self.precision,
+            )
+            for s, (start, end) in enumerate(ranges)
+        ]
+
+    def link_seconds(self, batch: BatchShape, served_model: dict[str, Any]) -> float:
+        """Time for a micro-batch's hidden states to reach the next stage."""
+        hidden = (self.model or served_model)["hidden_size"]
+        activation_bytes = self.precision.activation_bytes if self.precision else 4.0
+        return self.link.latency_s + batch.num_tokens * hidden * activation_bytes / (
+            self.link.bytes_per_s
+        )
+
+    def kv_capacity(self, served_model: dict[str, Any], num_stages: int) -> int | None:
+        """Tokens of KV cache the pipeline holds: stated, or what the fullest stage's device
+        has left after its weights; None if the profile says neither."""
+        if self.kv_capacity_tokens is not None:
+            return self.kv_capacity_tokens
+        hw = self.hardware
+        if hw is None or hw.memory_bytes is None or self.precision is None:
+            return None
+        capacity = None
+        for cost in self.stage_costs(served_model, num_stages):
+            assert isinstance(cost, RooflineStageCost)
+            free = hw.memory_bytes * hw.memory_utilization - cost.weight_bytes()
+            per_token = sum(layer.kv_elements_per_token for layer in cost.layers)
+            tokens = int(free / (per_token * self.precision.kv_bytes))
+            capacity = tokens if capacity is None else min(capacity, tokens)
+        if capacity is not None and capacity <= 0:
+            raise ProfileError("the stage's weights do not fit its memory_bytes")
+        return capacity
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Reads and checks a profile; raises ProfileError naming the file and the bad field."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise ProfileError(f"sim profile {path}: cannot read it ({error.strerror})") from None
+    except json.JSONDecodeError as error:
+        raise ProfileError(f"sim profile {path}: not valid JSON ({error})") from None
+    try:
+        return profile_from_dict(data, path.parent)
+    except ProfileError as error:
+        raise ProfileError(f"sim profile {path}: {error}") from None
+
+
+def profile_from_dict(data: Any, base_dir: Path = Path(".")) -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileError("the top level must be a JSON object")
+    kind = data.get("cost_model")
+    if kind not in COST_MODELS:
+        raise ProfileError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {kind!r}")
+    sections = {"cost_model", "link", "serving", "kv_capacity_tokens", "model"}
+    sections |= {"hardware", "precision"} if kind == "roofline" else {"linear"}
+    unknown = sorted(set(data) - sections - NOTE_KEYS)
+    if unknown:
+        raise ProfileError(f"unknown field(s) {unknown} for cost_model {kind!r}")
+    model = data.get("model")
+    if isinstance(model, str):
+        model_path = base_dir / model
+        try:
+            model = json.loads(model_path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ProfileError(f"model: cannot read {model_path} ({error})") from None
+    if model is not None:
+        try:
+            model_shape(model)  # every needed field is there
+        except (ValueError, TypeError) as error:
+            raise ProfileError(f"model: {error}") from None
+    capacity = data.get("kv_capacity_tokens")
+    if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
+        raise ProfileError(f"kv_capacity_tokens must be a positive integer, got {capacity!r}")
+    profile = Profile(
+        cost_model=kind,
+        link=_section(data, "link", Link, required=False),
+        serving=_section(data, "serving", Serving, required=False),
+        kv_capacity_tokens=capacity,
+        model=model,
+        description=str(data.get("description", "")),
+    )
+    if kind == "linear":
+        linear = _section(data, "linear", LinearCoefficients, required=True)
+        return Profile(**{**_as_kwargs(profile), "linear": linear})
+    hardware = _section(data, "hardware", Hardware, required=True)
+    if hardware.flops_per_s <= 0 or hardware.bytes_per_s <= 0:
+        raise ProfileError("hardware: flops_per_s and bytes_per_s must be positive")
+    precision = _section(data, "precision", Precision, required=True)
+    return Profile(**{**_as_kwargs(profile), "hardware": hardware, "precision": precision})
+
+
+def _as_kwargs(profile: Profile) -> dict[str, Any]:
+    return {f.name: getattr(profile, f.name) for f in fields(profile)}
+
+
+def _section(data: dict[str, Any], name: str, cls: type, required: bool) -> Any:
+    section = data.get(name)
+    if section is None:
+        if required:
+            raise ProfileError(f"the {name!r} section is missing")
+        return cls()
+    if not isinstance(section, dict):
+        raise ProfileError(f"{name} must be a JSON object")
+    allowed = [f.name for f in fields(cls)]
+    unknown = sorted(set(section) - set(allowed))
+    if unknown:
+        raise ProfileError(f"{name}: unknown field(s) {unknown}; known: {', '.join(allowed)}")
+    for key, value in section.items():
+        if not isinstance(value, int | float) or value < 0:
+            raise ProfileError(f"{name}.{key} must be a number >= 0, got {value!r}")
+    try:
+        return cls(**section)
+    except TypeError as error:  # a required field is missing
+        raise ProfileError(f"{name}: {error}") from None
