@@ -77,6 +77,8 @@ class LLM:
                     completion = result.outputs[0]
                     completion.text += out.new_text
                     completion.token_ids.extend(out.new_token_ids)
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
                     if out.new_logprobs:
                         completion.logprobs = (completion.logprobs or []) + out.new_logprobs
                     if out.finished:

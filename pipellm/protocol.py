@@ -60,7 +60,9 @@ class ModelOutput:
     step_id: int
     sampled_token_ids: list[int]  # one per request with `sample`, in order
     logprobs: list[Logprobs | None] | None = None  # per sampled request, if it asked
-
+    # Requests with prompt_logprobs: request id -> (position of the first prompt token these
+    # cover, one (logprob, top-n) per prompt token of the chunk).
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
     # Per stage: (start, end) wall-clock times of this micro-batch's compute (time.time()).
     stage_times: list[tuple[float, float]] = field(default_factory=list)
 
@@ -78,6 +80,8 @@ class EngineOutput:
     new_logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # With prompt_logprobs, on a request's first output: one per prompt token, the first None.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass

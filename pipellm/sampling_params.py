@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (the first has none)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's logits rules (vllm/sampling_params.py): presence and frequency count output tokens
@@ -63,6 +64,12 @@ class SamplingParams:
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 "logprobs",
                 self.logprobs,
+                "use a value in [0, 20]",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                self.prompt_logprobs,
                 "use a value in [0, 20]",
             ),
             (

@@ -13,6 +13,8 @@ import urllib.request
 
 import openai
 import pytest
+import torch
+import transformers
 
 from pipellm import LLM, SamplingParams
 from pipellm.bench.server_process import ServerProcess
@@ -265,6 +267,40 @@ def test_penalties_and_logit_bias(client, tokenizer, model):
     assert penalised != plain
 
 
+def test_echo_gives_the_prompts_logprobs(client, checkpoint, tokenizer, model):
+    """lm-eval's multiple-choice scoring: echo + logprobs + max_tokens 0 returns the prompt's
+    tokens and logprobs (the first null), nothing generated; they equal transformers'."""
+    ids = tokenizer.encode(PROMPT)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].log_softmax(-1)
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0
+    )
+    choice = out.choices[0]
+    assert choice.text == PROMPT and out.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    want = [float(expected[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    # Echo with generation: the prompt, then the generated tokens, in one logprobs list.
+    out = client.completions.create(
+        model=model, prompt=ids, max_tokens=3, echo=True, logprobs=0, temperature=0
+    )
+    assert len(out.choices[0].logprobs.tokens) == len(ids) + 3
+    assert out.choices[0].text.startswith(tokenizer.decode(ids, skip_special_tokens=False))
+    # vLLM's prompt_logprobs field, keyed by token id.
+    extra = {"prompt_logprobs": 1}
+    out = client.completions.create(model=model, prompt=ids, max_tokens=1, extra_body=extra)
+    prompt_logprobs = out.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None
+    pairs = zip(ids[1:], prompt_logprobs[1:], strict=True)
+    got = [entry[str(token)]["logprob"] for token, entry in pairs]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
 def test_metrics_exposition(server, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
     values = scrape(server)
@@ -386,7 +422,6 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (COMPLETIONS, {"prompt": "hi", "top_k": -5}, 400, "top_k"),
     (COMPLETIONS, {"prompt": "hi", "min_p": 2}, 400, "min_p"),
-    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 1000}, 400, "maximum context length is 512"),
     (COMPLETIONS, {"prompt": TOO_LONG, "max_tokens": 1}, 400, "prompt has 512 tokens"),
     (COMPLETIONS, {"prompt": [5, 999999]}, 400, "999999"),
@@ -397,6 +432,9 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n=2"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens=0 needs echo"),
+    (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 30}, 400, "prompt_logprobs"),
     (COMPLETIONS, {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "token id 99999"),

@@ -63,6 +63,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        if request.sampling_params.prompt_logprobs is not None:
+            return []  # its prompt's logprobs need every prompt row computed (as vLLM does)
         hashes = self._full_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         found: list[int] = []

@@ -193,6 +193,9 @@ class EngineCore:
                     new_logprobs=[update.logprobs] if update.logprobs else None,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=(
+                        request.prompt_logprobs if request.num_output_tokens == 1 else None
+                    ),
                 )
             )
             if finished:

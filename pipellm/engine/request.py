@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pipellm.protocol import Logprobs
 from pipellm.sampling_params import SamplingParams
 
 
@@ -45,6 +46,10 @@ class Request:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None
         self.aborted = False
+        # With prompt_logprobs: one entry per prompt token, filled as its chunks return.
+        self.prompt_logprobs: list[Logprobs | None] | None = (
+            [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_tokens(self) -> int:

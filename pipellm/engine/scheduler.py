@@ -251,12 +251,17 @@ class Scheduler:
         updates = []
         sampled = iter(model_output.sampled_token_ids)
         logprobs = iter(model_output.logprobs or [])
+        prompt_logprobs = model_output.prompt_logprobs or {}
         for item in scheduler_output.requests:
             request = self.requests.get(item.request_id)
             token_id = next(sampled) if item.sample else None
             token_logprobs = next(logprobs, None) if item.sample else None
             if request is None:
                 continue
+            if item.request_id in prompt_logprobs:
+                # Assigned by position: a prompt recomputed after preemption rewrites the same.
+                position, entries = prompt_logprobs[item.request_id]
+                request.prompt_logprobs[position : position + len(entries)] = entries
             request.in_flight = False
             if request.is_finished:  # aborted while in flight
                 self._release(request)

@@ -69,6 +69,7 @@ class GenerationRequest(BaseModel):
     # vLLM's extra sampling fields
     repetition_penalty: float | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -78,7 +79,9 @@ class GenerationRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             _unsupported("stream_options", "{...}", "stream_options needs stream=true")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's SamplingParams; raises OpenAIError(400) naming a bad value."""
         optional = {
             "temperature": self.temperature,
@@ -98,6 +101,7 @@ class GenerationRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self._logit_bias(),
@@ -136,10 +140,25 @@ class CompletionRequest(GenerationRequest):
         super().check_supported()
         if self.best_of is not None and self.best_of > 1:
             _unsupported("best_of", self.best_of, "only best_of=1 is supported")
-        if self.echo:
-            _unsupported("echo", True, "echo is not supported; prepend the prompt yourself")
+        if self.echo and self.stream:
+            _unsupported("echo", True, "echo needs stream=false")
+        if self.max_tokens == 0 and not self.echo:
+            _unsupported("max_tokens", 0, "max_tokens=0 needs echo=true (prompt logprobs only)")
         if self.suffix:
             _unsupported("suffix", "...", "suffix (insertion) is not supported")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt and its logprobs, nothing generated (vLLM runs
+        one token and drops it, and so do we)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's prompt_logprobs, or with echo the completions' logprobs count."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request, as text or token ids."""

@@ -23,7 +23,7 @@ from pipellm.entrypoints.openai_protocol import (
     OpenAIError,
 )
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.protocol import EngineOutput
+from pipellm.protocol import EngineOutput, Logprobs
 from pipellm.sampling_params import SamplingParams
 from pipellm.text.tokenizer import Tokenizer
 
@@ -55,23 +55,43 @@ class OpenAIServing:
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = prompt
-        params = self._sampling_params(request, prompt_ids, request.max_tokens, request.logprobs)
+        params = self._sampling_params(
+            request,
+            prompt_ids,
+            1 if request.echo_only else request.max_tokens,
+            request.logprobs,
+            request.num_prompt_logprobs,
+        )
         reply = _Reply("cmpl", "text_completion", self.model_name, len(prompt_ids))
         outputs = self._generate(reply.id, prompt_ids, params)
 
         def choice(outs: list[EngineOutput], finished: EngineOutput | None) -> Chunk:
-            logprobs = self._completion_logprobs(outs) if params.logprobs is not None else None
-            return {
+            generated = [] if request.echo_only else outs
+            text = "".join(o.new_text for o in generated)
+            pairs = _token_logprobs(generated)
+            prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None)
+            if request.echo:
+                prompt_text = prompt if isinstance(prompt, str) else self._decode(prompt_ids)
+                text = prompt_text + text
+                echoed = prompt_logprobs or [None] * len(prompt_ids)
+                pairs = list(zip(prompt_ids, echoed, strict=True)) + pairs
+            out = {
                 "index": 0,
-                "text": "".join(o.new_text for o in outs),
-                "logprobs": logprobs,
+                "text": text,
+                "logprobs": self._completion_logprobs(pairs)
+                if request.logprobs is not None
+                else None,
                 **_finish(finished),
             }
+            if prompt_logprobs is not None and request.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_ids, prompt_logprobs)
+            return out
 
         if request.stream:
             return _sse(reply.stream(outputs, [], choice, request.include_usage))
         outs = await _unless_disconnected(raw, _collect(outputs))
-        return JSONResponse(reply.whole(outs, choice(outs, outs[-1])))
+        num_tokens = 0 if request.echo_only else _num_tokens(outs)
+        return JSONResponse(reply.whole(num_tokens, choice(outs, outs[-1])))
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self._check_request(request)
@@ -83,7 +103,11 @@ class OpenAIServing:
             ) from error
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         params = self._sampling_params(
-            request, prompt_ids, request.requested_max_tokens, request.num_logprobs
+            request,
+            prompt_ids,
+            request.requested_max_tokens,
+            request.num_logprobs,
+            request.prompt_logprobs,
         )
         object = "chat.completion.chunk" if request.stream else "chat.completion"
         reply = _Reply("chatcmpl", object, self.model_name, len(prompt_ids))
@@ -107,7 +131,11 @@ class OpenAIServing:
         outs = await _unless_disconnected(raw, _collect(outputs))
         message = {"role": "assistant", "content": "".join(o.new_text for o in outs)}
         choice = {"index": 0, "message": message, "logprobs": logprobs(outs), **_finish(outs[-1])}
-        return JSONResponse(reply.whole(outs, choice))
+        body = reply.whole(_num_tokens(outs), choice)
+        prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None)
+        if prompt_logprobs is not None:  # vLLM puts it beside the choices in chat replies
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_ids, prompt_logprobs)
+        return JSONResponse(body)
 
     # ---- validation ----------------------------------------------------------------------------
 
@@ -128,6 +156,7 @@ class OpenAIServing:
         prompt_ids: list[int],
         max_tokens: int | None,
         logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Checks the prompt against the vocabulary and the context; max_tokens None means
         the rest of the context."""
@@ -147,7 +176,7 @@ class OpenAIServing:
             )
         if max_tokens is None:
             max_tokens = limit - len(prompt_ids)
-        params = request.sampling_params(max_tokens, logprobs)
+        params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
         if len(prompt_ids) + max_tokens > limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens, but you requested "
@@ -174,14 +203,18 @@ class OpenAIServing:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, outs: list[EngineOutput]) -> Chunk:
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def _completion_logprobs(self, pairs: list[tuple[int, Logprobs | None]]) -> Chunk:
+        """OpenAI's completions format; an echoed prompt's first token has null logprobs."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         offset = 0
-        for token_id, (logprob, top) in _token_logprobs(outs):
+        for token_id, entry in pairs:
             text = self._token_text(token_id)
             tokens.append(text)
-            token_logprobs.append(logprob)
-            top_logprobs.append(self._top_by_text(top) or None)
+            token_logprobs.append(entry[0] if entry else None)
+            top_logprobs.append(self._top_by_text(entry[1]) or None if entry else None)
             offsets.append(offset)
             offset += len(text)
         return {
@@ -197,6 +230,32 @@ class OpenAIServing:
         for token_id, logprob in top:
             by_text.setdefault(self._token_text(token_id), logprob)
         return by_text
+
+    def _vllm_prompt_logprobs(
+        self, prompt_ids: list[int], entries: list[Logprobs | None]
+    ) -> list[Chunk | None]:
+        """vLLM's prompt_logprobs field: per prompt token {token id: {logprob, rank,
+        decoded_token}} for the token itself and the top-n (rank 1 is the likeliest; the
+        prompt token's own rank is given only when it is among the top-n)."""
+        result: list[Chunk | None] = []
+        for token_id, entry in zip(prompt_ids, entries, strict=True):
+            if entry is None:
+                result.append(None)
+                continue
+            logprob, top = entry
+            ranks = {t: rank for rank, (t, _) in enumerate(top, start=1)}
+            values = {token_id: logprob, **dict(top)}
+            result.append(
+                {
+                    str(t): {
+                        "logprob": lp,
+                        "rank": ranks.get(t),
+                        "decoded_token": self._token_text(t),
+                    }
+                    for t, lp in values.items()
+                }
+            )
+        return result
 
     def _chat_logprobs(self, outs: list[EngineOutput]) -> Chunk:
         def entry(token_id: int, logprob: float) -> Chunk:
@@ -237,8 +296,8 @@ class _Reply:
             "total_tokens": self.num_prompt_tokens + num_tokens,
         }
 
-    def whole(self, outs: list[EngineOutput], choice: Chunk) -> Chunk:
-        return self._envelope([choice], self.usage(_num_tokens(outs)))
+    def whole(self, num_tokens: int, choice: Chunk) -> Chunk:
+        return self._envelope([choice], self.usage(num_tokens))
 
     async def stream(
         self,

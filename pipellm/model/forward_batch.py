@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,8 @@ class ForwardBatch:
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
     logits_indices: torch.Tensor  # [S] rows whose hidden state is sampled
+    # Per scheduled request, in the scheduler's order: the row of its chunk's last token.
+    last_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

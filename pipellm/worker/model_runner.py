@@ -77,6 +77,7 @@ class ModelRunner:
             logits_indices=torch.tensor(
                 [last_row[i] for i, it in enumerate(items) if it.sample], dtype=torch.long
             ),
+            last_rows=last_row,
         )
         return torch.tensor(input_ids), batch
 

@@ -17,6 +17,7 @@ from pipellm.model.stage_spec import partition_layers
 from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from pipellm.worker.model_runner import ModelRunner
+from pipellm.worker.prompt_logprobs import prompt_logprobs
 
 # glibc mallopt parameters, and the values that keep freed activations in the heap.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -104,6 +105,9 @@ class StageWorker:
         hidden = self.model(input_ids if self.is_first else hidden_in, batch, self.kv_caches)
         if not self.is_last:
             return hidden
+        prompt = prompt_logprobs(
+            scheduler_output, batch, hidden, self.runner.requests, self.model.compute_logits
+        )
         sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
         tokens, logprobs = [], None
         if sampled:
@@ -115,7 +119,7 @@ class StageWorker:
             tokens, logprobs = sample(logits, params, positions, self.generator, rules)
             if all(lp is None for lp in logprobs):
                 logprobs = None
-        return ModelOutput(scheduler_output.step_id, tokens, logprobs)
+        return ModelOutput(scheduler_output.step_id, tokens, logprobs, prompt_logprobs=prompt)
 
     def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
         if not params.has_logits_rules:
