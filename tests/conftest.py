@@ -34,3 +34,28 @@ def reaped():
     """Use in tests that start processes: each must be gone when the test ends."""
     yield
     assert_no_children()
+
+
+def _kernel_levels() -> list[str]:
+    from pipellm.kernels.cpu_kernels import supported_levels, why_unavailable
+
+    return supported_levels() if why_unavailable() is None else []
+
+
+@pytest.fixture(params=_kernel_levels() or [None], ids=lambda level: level or "no-kernels")
+def kernel_level(request) -> str:
+    """Each instruction-set level of pipellm's CPU kernels this machine runs (one test per
+    level); skips where the kernels cannot be built."""
+    from pipellm.kernels.cpu_kernels import why_unavailable
+
+    if request.param is None:
+        pytest.skip(f"CPU kernels unavailable here: {why_unavailable()}")
+    return request.param
+
+
+@pytest.fixture
+def kernel_ops(kernel_level):
+    """The kernels' ops (torch.ops.pipellm_<level>) at each level this machine runs."""
+    from pipellm.kernels.cpu_kernels import ops
+
+    return ops(kernel_level)

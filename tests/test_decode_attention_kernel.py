@@ -56,10 +56,9 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
     return out
 
 
-@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("head_dim", sorted(DECODE_ATTENTION_HEAD_DIMS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
-def test_kernel_matches_reference(head_dim, heads, kv_heads):
+def test_kernel_matches_reference(kernel_ops, head_dim, heads, kv_heads):
     lens = [1, 7, 16, 17, 64, 65, 130, 300]
     block_size = 16
     k_cache, v_cache, tables = random_paged_cache(lens, block_size, kv_heads, head_dim)
@@ -68,30 +67,24 @@ def test_kernel_matches_reference(head_dim, heads, kv_heads):
     q = qkv[:, :heads]
     scale = 1 / math.sqrt(head_dim)
     out = torch.empty(q.shape)
-    torch.ops.pipellm.paged_decode_attention(
-        out, q, k_cache, v_cache, tables, torch.tensor(lens), scale
-    )
+    kernel_ops.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), scale)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, scale))
 
 
-@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("block_size", [1, 8, 32])
-def test_kernel_other_block_sizes(block_size):
+def test_kernel_other_block_sizes(kernel_ops, block_size):
     lens = [3, 33, 100]
     k_cache, v_cache, tables = random_paged_cache(lens, block_size, 2, 64, seed=1)
     q = torch.randn(len(lens), 6, 64) * 4  # peaked softmax
     out = torch.empty(q.shape)
-    torch.ops.pipellm.paged_decode_attention(
-        out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125
-    )
+    kernel_ops.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, 0.125))
 
 
-@pytest.mark.usefixtures("kernels")
-def test_kernel_rejects_what_would_read_out_of_bounds():
+def test_kernel_rejects_what_would_read_out_of_bounds(kernel_ops):
     k_cache, v_cache, tables = random_paged_cache([20], 16, 2, 64)
     q, out = torch.randn(1, 4, 64), torch.empty(1, 4, 64)
-    op = torch.ops.pipellm.paged_decode_attention
+    op = kernel_ops.paged_decode_attention
     with pytest.raises(RuntimeError, match="context length"):
         op(out, q, k_cache, v_cache, tables, torch.tensor([33]), 0.125)  # 2 blocks hold 32
     with pytest.raises(RuntimeError, match="block id"):
@@ -137,7 +130,7 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch):
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
     from pipellm.kernels import cpu_kernels
 
-    def broken_build():
+    def broken_build(level):
         raise RuntimeError("compiler exploded")
 
     monkeypatch.setattr(cpu_kernels, "why_unavailable", lambda: None)

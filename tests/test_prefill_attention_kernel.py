@@ -34,21 +34,21 @@ def sdpa_causal(q, k, v, scale):
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (8, 2, 128), (4, 4, 32)]
 )
-def test_prefill_kernel_matches_sdpa(length, heads, kv_heads, head_dim):
+def test_prefill_kernel_matches_sdpa(kernel_ops, length, heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(length)
     # Views into one fused projection output, as the model passes them.
     qkv = torch.randn(length, heads + 2 * kv_heads, head_dim, generator=generator) * 2
     q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
     out = torch.empty(length, heads, head_dim)
     scale = head_dim**-0.5
-    torch.ops.pipellm.prefill_attention(out, q, k, v, scale)
+    kernel_ops.prefill_attention(out, q, k, v, scale)
     torch.testing.assert_close(out, sdpa_causal(q, k, v, scale))
 
 
-def test_prefill_kernel_rejects_bad_shapes():
+def test_prefill_kernel_rejects_bad_shapes(kernel_ops):
     q, k = torch.randn(8, 4, 24), torch.randn(8, 2, 24)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.pipellm.prefill_attention(torch.empty(8, 4, 24), q, k, k, 0.2)
+        kernel_ops.prefill_attention(torch.empty(8, 4, 24), q, k, k, 0.2)
     q, k = torch.randn(8, 4, 32), torch.randn(7, 2, 32)
     with pytest.raises(RuntimeError, match="shapes"):
-        torch.ops.pipellm.prefill_attention(torch.empty(8, 4, 32), q, k, k, 0.2)
+        kernel_ops.prefill_attention(torch.empty(8, 4, 32), q, k, k, 0.2)

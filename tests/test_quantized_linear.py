@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from pipellm.kernels.cpu_kernels import cpu_kernels_available, why_unavailable
+from pipellm.kernels.cpu_kernels import why_unavailable
 from pipellm.model.gguf_linear import QuantizedLinear, QuantizedWeight, stack_rows
 
 pytestmark = pytest.mark.skipif(
@@ -33,17 +33,18 @@ def quantized(kind, out_features: int, in_features: int, seed: int):
 @pytest.mark.parametrize("with_bias", [False, True])
 # 40 = 2 * 16 + 8: a ragged last panel; 608 deep: 19 blocks, slices of 256 with a short last one.
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (96, 608)])
-def test_bit_identical_to_float32_kernel(kind, rows, with_bias, out_features, in_features):
-    assert cpu_kernels_available()
+def test_bit_identical_to_float32_kernel(
+    kernel_level, kernel_ops, kind, rows, with_bias, out_features, in_features
+):
     weight, dequantized = quantized(kind, out_features, in_features, seed=rows)
     generator = torch.Generator().manual_seed(1)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     x = torch.randn(2, rows, in_features, generator=generator)  # leading dims are kept
-    layer = QuantizedLinear(weight, bias)
+    layer = QuantizedLinear(weight, bias, level=kernel_level)
     assert layer.in_features == in_features
-    packed = torch.ops.pipellm.pack_linear_weight(dequantized)
+    packed = kernel_ops.pack_linear_weight(dequantized)
     rows_of_x = x.reshape(-1, in_features)
-    expected = torch.ops.pipellm.packed_linear(rows_of_x, packed, bias, out_features)
+    expected = kernel_ops.packed_linear(rows_of_x, packed, bias, out_features)
     got = layer(x)
     assert got.shape == (2, rows, out_features)
     assert torch.equal(got.reshape(-1, out_features), expected)
@@ -61,14 +62,14 @@ def test_stacked_rows_are_one_fused_projection():
     assert stack_rows(mixed) is None, "one kernel call takes one kind"
 
 
-def test_bad_inputs_are_named():
+def test_bad_inputs_are_named(kernel_ops):
     weight, _ = quantized(GGMLQuantizationType.Q4_1, 16, 64, seed=0)
     layer = QuantizedLinear(weight, None)
     with pytest.raises(RuntimeError, match="not packed by gguf_linear"):
-        torch.ops.pipellm.quantized_linear(torch.randn(2, 32), layer.packed_weight, 0, None, 16)
+        kernel_ops.quantized_linear(torch.randn(2, 32), layer.packed_weight, 0, None, 16)
     with pytest.raises(RuntimeError, match="kind 0"):
-        torch.ops.pipellm.quantized_linear(torch.randn(2, 64), layer.packed_weight, 7, None, 16)
+        kernel_ops.quantized_linear(torch.randn(2, 64), layer.packed_weight, 7, None, 16)
     with pytest.raises(RuntimeError, match="out_features"):
-        torch.ops.pipellm.quantized_linear(torch.randn(2, 64), layer.packed_weight, 0, None, 40)
+        kernel_ops.quantized_linear(torch.randn(2, 64), layer.packed_weight, 0, None, 40)
     with pytest.raises(RuntimeError, match="float32"):
         layer(torch.randn(2, 64, dtype=torch.float64))

@@ -4,11 +4,15 @@ SmolLM2-135M's shapes: 30 layers of q/k/v (960 x 576), o (576 x 576), gate/up (3
 and down (576 x 1536) in Q4_1, and the 49152 x 576 lm_head in Q8_0, as in the built-in GGUF.
 Random weights are quantized with `gguf`, then packed both ways (`packed_linear` on the
 dequantized float32 weights, `quantized_linear` on the blocks); every layer has its own copy, so
-a step streams its weights from memory as a real one does. The two run alternately, and the
-report gives medians over `--repeats` steps for each row count.
+a step streams its weights from memory as a real one does. Both run at every kernel level the
+CPU supports (AVX2, AVX-512: pipellm/kernels/cpu_kernels.py), all taking turns, and the report
+gives medians over `--repeats` steps for each row count, and each against float32 at the
+lowest level. The GEMMs' weight bytes over the median time give the achieved read bandwidth,
+printed against the machine's read bandwidth at the same threads (`torch.sum` over 512 MB of
+float32, median of 5: a pure read stream).
 
     .venv/bin/python -m pipellm.bench.gguf_gemm        # 1 2 3 4 6 8 16 rows, 2 threads
-    .venv/bin/python -m pipellm.bench.gguf_gemm --rows 1 16 --threads 1
+    .venv/bin/python -m pipellm.bench.gguf_gemm --rows 1 16 --threads 1 --levels avx512
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.kernels.cpu_kernels import cpu_kernels_available, ops, supported_levels
 from pipellm.model.gguf_linear import QuantizedLinear, QuantizedWeight
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer
@@ -37,7 +41,18 @@ def quantized_pair(kind: GGMLQuantizationType, shape: tuple[int, int], seed: int
     dequantized = torch.from_numpy(quants.dequantize(blocks, kind).reshape(shape).copy())
     raw = torch.from_numpy(blocks).view(torch.uint8).reshape(shape[0], -1)
     linear = QuantizedLinear(QuantizedWeight(kind, raw), None)
-    return linear, torch.ops.pipellm.pack_linear_weight(dequantized)
+    return linear, ops().pack_linear_weight(dequantized)
+
+
+def read_bandwidth() -> float:
+    """GB/s of a plain read stream at the current thread count."""
+    data = torch.ones(128 * 1024 * 1024)  # 512 MB: far beyond any cache
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - started)
+    return data.numel() * 4 / statistics.median(times) / 1e9
 
 
 def main() -> None:
@@ -46,6 +61,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--levels", nargs="+", default=None, help="default: all the CPU runs")
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("pipellm's CPU kernels are not available here; nothing to compare")
@@ -62,31 +78,52 @@ def main() -> None:
         f"GGUF blocks as packed {quantized_bytes / 1e6:.0f} MB"
     )
 
-    def float32_step(x: dict[int, torch.Tensor]) -> None:
+    levels = args.levels or supported_levels()
+
+    def float32_step(level: str, x: dict[int, torch.Tensor]) -> None:
+        op = ops(level).packed_linear
         for (_, (out, inp)), (_, packed) in zip(shapes, pairs, strict=True):
-            torch.ops.pipellm.packed_linear(x[inp], packed, None, out)
+            op(x[inp], packed, None, out)
 
-    def gguf_step(x: dict[int, torch.Tensor]) -> None:
+    def gguf_step(level: str, x: dict[int, torch.Tensor]) -> None:
+        op = ops(level).quantized_linear
         for linear, _ in pairs:
-            linear(x[linear.in_features])
+            op(
+                x[linear.in_features],
+                linear.packed_weight,
+                linear.kernel_kind,
+                None,
+                linear.out_features,
+            )
 
-    steps = {"float32": float32_step, "gguf": gguf_step}
+    steps = {
+        f"{kind} {level}": (step, level)
+        for kind, step in (("float32", float32_step), ("gguf", gguf_step))
+        for level in levels
+    }
     times = {(name, m): [] for name in steps for m in args.rows}
     inputs = {m: {k: torch.randn(m, k) for k in (576, 1536)} for m in args.rows}
     for rep in range(args.repeats):
         for m in args.rows:
             order = list(steps) if rep % 2 == 0 else list(reversed(steps))
             for name in order:
+                step, level = steps[name]
                 started = time.perf_counter()
-                steps[name](inputs[m])
+                step(level, inputs[m])
                 times[(name, m)].append(time.perf_counter() - started)
 
-    print(f"\n{args.threads} threads, {args.layers} layers + lm_head, medians of {args.repeats}")
-    print(f"{'rows':>4} {'float32 ms':>11} {'gguf ms':>8} {'float32/gguf':>13}")
+    bandwidth = read_bandwidth()
+    print(f"\nread bandwidth, {args.threads} threads: {bandwidth:.1f} GB/s (torch.sum, 512 MB)")
+    print(f"{args.threads} threads, {args.layers} layers + lm_head, medians of {args.repeats}")
+    base = next(iter(steps))
+    print(f"{'rows':>4} " + " ".join(f"{name:>22}" for name in steps) + f"   (x: {base} / this)")
     for m in args.rows:
-        ours = statistics.median(times[("gguf", m)])
-        theirs = statistics.median(times[("float32", m)])
-        print(f"{m:>4} {theirs * 1e3:>11.1f} {ours * 1e3:>8.1f} {theirs / ours:>12.2f}x")
+        medians = {name: statistics.median(times[(name, m)]) for name in steps}
+        cells = []
+        for name, t in medians.items():
+            stream = (float_bytes if name.startswith("float32") else quantized_bytes) / t / 1e9
+            cells.append(f"{t * 1e3:6.1f}ms {medians[base] / t:4.2f}x {stream / bandwidth:4.0%}bw")
+        print(f"{m:>4} " + " ".join(f"{cell:>22}" for cell in cells))
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -4,7 +4,7 @@
 // the ops' fixed costs, not their arithmetic, are what these save.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "kernel_library.h"
 
 #include <immintrin.h>
 
@@ -116,7 +116,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor",
         &add_rms_norm_);

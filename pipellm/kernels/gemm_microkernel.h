@@ -1,22 +1,59 @@
-// The register-blocked GEMM step shared by pipellm's CPU kernels (AVX2 + FMA, float32):
-// up to 6 rows of x times one packed panel of 16 columns.
+// The register-blocked GEMM step shared by pipellm's CPU kernels (float32): up to kRows rows of
+// x times one packed panel of 16 columns, at the vector width of the level being compiled.
 #pragma once
 
 #include <immintrin.h>
 
+#include <array>
 #include <cstdint>
+#include <utility>
 
 namespace pipellm_kernels {
 
-constexpr int64_t kPanel = 16;  // output columns per panel: two AVX registers
-constexpr int64_t kRows = 6;    // rows of x per register block: 12 accumulators of 16
+constexpr int64_t kPanel = 16;  // output columns per panel: two AVX registers, or one AVX-512
+
+#if defined(__AVX512F__)
+// AVX-512: one register a panel row and 32 registers, so 12 rows of x per register block: 12
+// accumulators, a weight vector, and x broadcast from memory into each FMA.
+constexpr int64_t kRows = 12;
+#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#else
+constexpr int64_t kRows = 6;  // rows of x per register block: 12 accumulators of 8
+#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#endif
 
 // Rows [0, R) of x times one panel of 16 columns over depth [k0, k1), into out (ld = out's row
-// stride), the panel's 16 weights at depth k given by weights.at(k, w0, w1): a packed float32
+// stride), the panel's 16 weights at depth k given by weights.at(k, ...): a packed float32
 // panel (PackedPanel) or a quantized one dequantized in registers (quantized_linear.cpp).
 // Starts from `init` (bias, or nullptr for zero) when `accumulate` is false, else from out.
-// Named accumulators, not arrays: gcc keeps arrays of __m256 on the stack in this loop.
-#define FOR_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+// Every output is one chain of fused multiply-adds over k in order, at either vector width:
+// the AVX2 and AVX-512 builds give the same bits.
+// Named accumulators, not arrays: gcc keeps arrays of vectors on the stack in this loop.
+#if defined(__AVX512F__)
+template <int R, class Weights>
+inline void row_block_of(const float* x, int64_t ldx, Weights& weights, int64_t k0, int64_t k1,
+                         float* out, int64_t ld, bool accumulate, const float* init) {
+  const __m512 init0 = init ? _mm512_loadu_ps(init) : _mm512_setzero_ps();
+#define DECLARE(i)                                        \
+  __m512 acc##i = init0;                                  \
+  if (R > i && accumulate) acc##i = _mm512_loadu_ps(out + i * ld);
+  FOR_ROWS(DECLARE)
+  const float* xk = x + k0;
+  for (int64_t k = k0; k < k1; ++k, ++xk) {
+    __m512 w;
+    weights.at(k, w);
+#define FMA(i) \
+  if (R > i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(xk[i * ldx]), w, acc##i);
+    FOR_ROWS(FMA)
+  }
+#define STORE(i) \
+  if (R > i) _mm512_storeu_ps(out + i * ld, acc##i);
+  FOR_ROWS(STORE)
+#undef DECLARE
+#undef FMA
+#undef STORE
+}
+#else
 template <int R, class Weights>
 inline void row_block_of(const float* x, int64_t ldx, Weights& weights, int64_t k0, int64_t k1,
                          float* out, int64_t ld, bool accumulate, const float* init) {
@@ -51,9 +88,10 @@ inline void row_block_of(const float* x, int64_t ldx, Weights& weights, int64_t 
 #undef FMA
 #undef STORE
 }
+#endif
 #undef FOR_ROWS
 
-// A packed float32 panel: packed[k][16], 32-byte aligned; optionally prefetching the same
+// A packed float32 panel: packed[k][16], 64-byte aligned; optionally prefetching the same
 // depth of another panel (`prefetch`, or nullptr) as it goes.
 struct PackedPanel {
   const float* panel;
@@ -63,6 +101,12 @@ struct PackedPanel {
     w1 = _mm256_load_ps(panel + k * kPanel + 8);
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
   }
+#if defined(__AVX512F__)
+  void at(int64_t k, __m512& w) const {
+    w = _mm512_loadu_ps(panel + k * kPanel);
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+  }
+#endif
 };
 
 template <int R>
@@ -90,8 +134,11 @@ inline void for_each_row_block(int64_t m0, int64_t m1, F&& f) {
 
 using RowBlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*,
                             int64_t, bool, const float*, const float*);
-inline constexpr RowBlockFn kRowBlock[kRows + 1] = {nullptr,       row_block<1>, row_block<2>,
-                                             row_block<3>,  row_block<4>, row_block<5>,
-                                             row_block<6>};
+// kRowBlock[r]: the register block for r rows, 1 <= r <= kRows.
+template <int... R>
+constexpr auto row_blocks(std::integer_sequence<int, R...>) {
+  return std::array<RowBlockFn, sizeof...(R)>{(R == 0 ? nullptr : row_block<R>)...};
+}
+inline constexpr auto kRowBlock = row_blocks(std::make_integer_sequence<int, kRows + 1>{});
 
 }  // namespace pipellm_kernels

@@ -11,7 +11,7 @@
 // Layout: packed[p, k, j] = W[16 p + j, k], zero-padded to a multiple of 16 rows of W.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "kernel_library.h"
 
 #include <immintrin.h>
 
@@ -84,7 +84,7 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
         &packed_linear);

@@ -9,7 +9,7 @@
 // SDPA where it cannot.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "kernel_library.h"
 
 #include <immintrin.h>
 
@@ -187,7 +187,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()",

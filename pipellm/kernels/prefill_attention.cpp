@@ -8,7 +8,7 @@
 // an exact masked softmax, and out = P V.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "kernel_library.h"
 
 #include <immintrin.h>
 
@@ -98,7 +98,7 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale) -> ()",
         &prefill_attention);
 }

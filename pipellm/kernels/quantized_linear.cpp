@@ -13,12 +13,14 @@
 //
 // Layout (made by pipellm/model/gguf_linear.py): per panel of 16 output columns and per block
 // of 32 input rows, one record:
-//   Q4_1: 16 float32 scales d, 16 float32 mins m, then 32 x 8 bytes: at depth k, byte j holds
+//   Q4_1: 16 float16 scales d, 16 float16 mins m (as in the file: widened exactly to float32 by
+//         F16C's vcvtph2ps, and a sixth fewer bytes to stream than float32 copies), then
+//         32 x 8 bytes: at depth k, byte j holds
 //         column j's q in its low nibble and column j + 8's in its high nibble;
-//   Q8_0: 16 float32 scales d, then 32 x 16 int8 q, column j at byte j.
+//   Q8_0: 16 float16 scales d, then 32 x 16 int8 q, column j at byte j.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "kernel_library.h"
 
 #include <immintrin.h>
 
@@ -26,7 +28,9 @@
 #include "panel_output.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
 #include <optional>
 
 namespace {
@@ -44,7 +48,11 @@ constexpr int64_t kPrefetchBytes = 4096;  // ~10 Q4_1 records ahead
 // Up to this many rows, the weights are dequantized in registers (fused_row_block): measured
 // at 1, 3 and 4 rows 9.2, 11.8 and 13.3 ms per step's GEMMs against 13-14 ms through a slice;
 // at 6 rows the accumulators, scales and weights no longer fit in registers (19.9 vs 16.5 ms).
+#if defined(__AVX512F__)
+constexpr int64_t kFusedRows = 8;  // 32 registers: room for more accumulators
+#else
 constexpr int64_t kFusedRows = 4;
+#endif
 
 // Prefetches the record kPrefetchBytes ahead, if it is before `end`: the hardware prefetcher
 // alone leaves the stream well below the read bandwidth while the core is busy dequantizing,
@@ -56,16 +64,28 @@ inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* 
     _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
 }
 
+// 8 (or 16) float16 values at p, widened to float32: exact.
+inline __m256 half_to_float(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#if defined(__AVX512F__)
+inline __m512 half16_to_float(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // One record (a 32-deep block of a panel), dequantized depth by depth into registers.
 struct Q4_1Record {
-  static constexpr int64_t kBytes = 2 * kPanel * 4 + kBlock * kPanel / 2;
+  static constexpr int64_t kBytes = 2 * kPanel * 2 + kBlock * kPanel / 2;
   __m256 d0, d1, m0, m1;
   const uint8_t* q;
   explicit Q4_1Record(const uint8_t* record) {
-    const float* scale = reinterpret_cast<const float*>(record);
-    d0 = _mm256_loadu_ps(scale), d1 = _mm256_loadu_ps(scale + 8);
-    m0 = _mm256_loadu_ps(scale + 16), m1 = _mm256_loadu_ps(scale + 24);
-    q = record + 2 * kPanel * 4;
+    d0 = half_to_float(record), d1 = half_to_float(record + 16);
+    m0 = half_to_float(record + 32), m1 = half_to_float(record + 48);
+#if defined(__AVX512F__)
+    d = half16_to_float(record), m = half16_to_float(record + 32);
+#endif
+    q = record + 2 * kPanel * 2;
   }
   // Columns 0-7 and 8-15 at depth k: byte j holds column j (low nibble) and j + 8 (high).
   void at(int64_t k, __m256& w0, __m256& w1) const {
@@ -76,22 +96,43 @@ struct Q4_1Record {
     w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d0, m0);
     w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d1, m1);
   }
+#if defined(__AVX512F__)
+  // All 16 columns in one register: the same per-column fma(q, d, m), so the same bits.
+  void at(int64_t k, __m512& w) const {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8));
+    const __m128i lo = _mm_and_si128(bytes, low);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+    const __m512i columns = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
+    w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(columns), d, m);
+  }
+  __m512 d, m;
+#endif
 };
 
 struct Q8_0Record {
-  static constexpr int64_t kBytes = kPanel * 4 + kBlock * kPanel;
+  static constexpr int64_t kBytes = kPanel * 2 + kBlock * kPanel;
   __m256 d0, d1;
   const uint8_t* q;
   explicit Q8_0Record(const uint8_t* record) {
-    const float* scale = reinterpret_cast<const float*>(record);
-    d0 = _mm256_loadu_ps(scale), d1 = _mm256_loadu_ps(scale + 8);
-    q = record + kPanel * 4;
+    d0 = half_to_float(record), d1 = half_to_float(record + 16);
+#if defined(__AVX512F__)
+    d = half16_to_float(record);
+#endif
+    q = record + kPanel * 2;
   }
   void at(int64_t k, __m256& w0, __m256& w1) const {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
     w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d0);
     w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d1);
   }
+#if defined(__AVX512F__)
+  void at(int64_t k, __m512& w) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
+    w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+  }
+  __m512 d;
+#endif
 };
 
 constexpr int64_t record_bytes(int64_t kind) {
@@ -106,10 +147,16 @@ void dequantize(const uint8_t* panel, int64_t b0, int64_t b1, float* out, const 
     prefetch_ahead(bytes, Record::kBytes, end);
     const Record record(bytes);
     for (int64_t k = 0; k < kBlock; ++k, out += kPanel) {
+#if defined(__AVX512F__)
+      __m512 w;
+      record.at(k, w);
+      _mm512_storeu_ps(out, w);
+#else
       __m256 w0, w1;
       record.at(k, w0, w1);
       _mm256_storeu_ps(out, w0);
       _mm256_storeu_ps(out + 8, w1);
+#endif
     }
   }
 }
@@ -120,13 +167,14 @@ struct QuantizedPanel {
   const uint8_t* panel;
   const uint8_t* end;
   Record record;
-  void at(int64_t k, __m256& w0, __m256& w1) {
+  template <class... Vectors>
+  void at(int64_t k, Vectors&... w) {
     if (k % kBlock == 0) {
       const uint8_t* bytes = panel + k / kBlock * Record::kBytes;
       prefetch_ahead(bytes, Record::kBytes, end);
       record = Record(bytes);
     }
-    record.at(k % kBlock, w0, w1);
+    record.at(k % kBlock, w...);
   }
 };
 
@@ -143,10 +191,15 @@ void fused_row_block(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
 
 using FusedRowBlockFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t,
                                  const float*, const uint8_t*);
+template <class Record, int... R>
+constexpr auto fused_row_blocks(std::integer_sequence<int, R...>) {
+  return std::array<FusedRowBlockFn, sizeof...(R)>{
+      (R == 0 ? nullptr : fused_row_block<Record, R>)...};
+}
+// kFusedRowBlock<Record>[r]: r rows, 1 <= r <= kFusedRows.
 template <class Record>
-constexpr FusedRowBlockFn kFusedRowBlock[kFusedRows + 1] = {
-    nullptr, fused_row_block<Record, 1>, fused_row_block<Record, 2>, fused_row_block<Record, 3>,
-    fused_row_block<Record, 4>};
+constexpr auto kFusedRowBlock =
+    fused_row_blocks<Record>(std::make_integer_sequence<int, kFusedRows + 1>{});
 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
                             const std::optional<at::Tensor>& bias, int64_t out_features) {
@@ -166,7 +219,7 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
   const int64_t panel_bytes = packed.size(1) * record_bytes(kind);
   const auto dequantize_slice = kind == kQ4_1 ? dequantize<Q4_1Record> : dequantize<Q8_0Record>;
   const FusedRowBlockFn* fused =
-      kind == kQ4_1 ? kFusedRowBlock<Q4_1Record> : kFusedRowBlock<Q8_0Record>;
+      kind == kQ4_1 ? kFusedRowBlock<Q4_1Record>.data() : kFusedRowBlock<Q8_0Record>.data();
   const uint8_t* end = wp + panels * panel_bytes;
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     alignas(64) float slice[kSliceDepth * kPanel];
@@ -204,7 +257,7 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def("quantized_linear(Tensor x, Tensor packed, int kind, Tensor? bias, int out_features) "
         "-> Tensor",
         &quantized_linear);

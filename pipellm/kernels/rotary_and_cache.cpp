@@ -7,7 +7,7 @@
 // a product, a sum; no fused multiply-add), so both paths give bit-identical results.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "kernel_library.h"
 
 #include <immintrin.h>
 
@@ -80,7 +80,7 @@ void rotary_and_cache_(const at::Tensor& qkv, const at::Tensor& cos, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pipellm, m) {
+PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "rotary_and_cache_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, "
       "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipellm.kernels.cpu_kernels import DECODE_ATTENTION_HEAD_DIMS, kernels_apply
+from pipellm.kernels.cpu_kernels import DECODE_ATTENTION_HEAD_DIMS, kernels_apply, ops
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.model.rope import apply_rotary
 
@@ -35,7 +35,7 @@ def rotate_and_cache(
     """
     sizes = [num_heads, num_kv_heads, num_kv_heads]
     if kernels_apply(qkv) and qkv.is_contiguous():
-        torch.ops.pipellm.rotary_and_cache_(
+        ops().rotary_and_cache_(
             qkv, *cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
         )
         return qkv.split(sizes, dim=1)
@@ -73,7 +73,7 @@ def paged_attention(
     gqa = q.shape[1] != num_heads
     nd = batch.num_decodes
     if nd and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS and kernels_apply(q):
-        torch.ops.pipellm.paged_decode_attention(
+        ops().paged_decode_attention(
             out[:nd],
             q[:nd],
             k_cache,
@@ -96,7 +96,7 @@ def paged_attention(
         rows = slice(chunk.start, chunk.start + chunk.length)
         # The prompt kernel's GEMM step works on 16-wide panels of the head dimension.
         if chunk.block_table is None and q.shape[-1] % 16 == 0 and kernels_apply(q):
-            torch.ops.pipellm.prefill_attention(out[rows], q[rows], k[rows], v[rows], scale)
+            ops().prefill_attention(out[rows], q[rows], k[rows], v[rows], scale)
             continue
         if chunk.block_table is None:  # nothing cached before: attend to the fresh keys
             keys, values, mask = k[rows], v[rows], None

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipellm.kernels.cpu_kernels import kernels_apply
+from pipellm.kernels.cpu_kernels import kernels_apply, ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if kernels_apply(x) and x.dim() == 2:
-        return torch.ops.pipellm.rms_norm(x.contiguous(), weight, eps)
+        return ops().rms_norm(x.contiguous(), weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -21,7 +21,7 @@ def add_rms_norm_(
     """x += residual, in place (x carries the residual stream from here), and returns
     rms_norm(x). x must be a fresh tensor of the caller's, e.g. a projection's output."""
     if kernels_apply(x) and x.dim() == 2 and x.is_contiguous():
-        return torch.ops.pipellm.add_rms_norm_(x, residual.contiguous(), weight, eps)
+        return ops().add_rms_norm_(x, residual.contiguous(), weight, eps)
     x.add_(residual)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -29,6 +29,6 @@ def add_rms_norm_(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [..., 2 I], gate then up. Returns silu(gate) * up, [..., I]."""
     if kernels_apply(gate_up) and gate_up.dim() == 2:
-        return torch.ops.pipellm.silu_and_mul(gate_up.contiguous())
+        return ops().silu_and_mul(gate_up.contiguous())
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

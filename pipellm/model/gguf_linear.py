@@ -17,6 +17,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from pipellm.kernels.cpu_kernels import ops
+
 PANEL = 16  # output columns per panel, as in the kernel
 BLOCK = 32  # input rows per GGUF block
 # GGUF type -> the kernel's `kind` argument.
@@ -54,9 +56,9 @@ def on_rows(op: Callable[..., torch.Tensor], x: torch.Tensor, *args: object) -> 
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _float16_to_float32(pairs: torch.Tensor) -> torch.Tensor:
-    """[..., 2] uint8 holding little-endian float16 values -> [...] float32."""
-    return pairs.contiguous().view(torch.float16).squeeze(-1).float()
+def _float16(pairs: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 holding little-endian float16 values -> [...] float16."""
+    return pairs.contiguous().view(torch.float16).squeeze(-1)
 
 
 def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
@@ -77,9 +79,10 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
     def as_bytes(values: torch.Tensor) -> torch.Tensor:
         return values.contiguous().view(torch.uint8).reshape(panels, num_blocks, -1)
 
-    scales = by_panel(_float16_to_float32(blocks[..., 0:2]))
+    # Scales (and mins) stay float16, as in the file: the kernel widens them exactly (F16C).
+    scales = by_panel(_float16(blocks[..., 0:2]))
     if weight.kind == GGMLQuantizationType.Q4_1:
-        mins = by_panel(_float16_to_float32(blocks[..., 2:4]))
+        mins = by_panel(_float16(blocks[..., 2:4]))
         packed_q = blocks[..., 4:20]  # value i in the low nibble of byte i, i + 16 in the high
         q = torch.cat([packed_q & 0x0F, packed_q >> 4], dim=-1)  # [rows, blocks, 32]
         q = by_panel(q)  # [panels, blocks, 32, 16]
@@ -92,17 +95,21 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W in a GGUF quantized format, for float32 x on the CPU."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, bias: torch.Tensor | None, level: str | None = None
+    ) -> None:
+        """level: the kernels' instruction-set level (default: the one chosen for this CPU)."""
         super().__init__()
         self.out_features, self.in_features = weight.blocks.shape[0], weight.in_features
         self.bias = bias
         self.kind = weight.kind
         self.kernel_kind = KERNEL_KINDS[weight.kind]
         self.packed_weight = pack_quantized_weight(weight)
+        self.linear_op = ops(level).quantized_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return on_rows(
-            torch.ops.pipellm.quantized_linear,
+            self.linear_op,
             x,
             self.packed_weight,
             self.kernel_kind,

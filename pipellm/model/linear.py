@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.kernels.cpu_kernels import cpu_kernels_available, ops
 from pipellm.model.gguf_linear import QuantizedLinear, QuantizedWeight, on_rows
 
 # oneDNN picks the blocked layout for this many rows; measured: any value serves all row counts.
@@ -37,7 +37,8 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.own_kernel = cpu_kernels_available()
         if self.own_kernel:
-            self.packed_weight = torch.ops.pipellm.pack_linear_weight(weight.contiguous())
+            self.packed_weight = ops().pack_linear_weight(weight.contiguous())
+            self.linear_op = ops().packed_linear
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
 
@@ -46,9 +47,7 @@ class PackedLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
             )
-        return on_rows(
-            torch.ops.pipellm.packed_linear, x, self.packed_weight, self.bias, self.out_features
-        )
+        return on_rows(self.linear_op, x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         kind = "pipellm" if self.own_kernel else "onednn"
