@@ -16,6 +16,7 @@ from pipellm.loader.source import ModelSource, load_model_config, resolve_model
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
+from pipellm.model.stage_spec import StageSpec, stage_specs
 
 DTYPES = {
     "float32": torch.float32,
@@ -206,6 +207,10 @@ class EngineConfig:
                 self.pipeline_parallel_size,
                 f"the model has only {layers} layers; use at most {layers} stages",
             )
+        try:
+            self.stage(0)  # a bad layer partition fails here, before any stage starts
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     # ---- derived settings ------------------------------------------------------------------
 
@@ -224,6 +229,10 @@ class EngineConfig:
         if self.num_threads is not None:
             return self.num_threads
         return max(1, (os.cpu_count() or 1) // self.pipeline_parallel_size)
+
+    def stage(self, index: int) -> StageSpec:
+        """Pipeline stage `index`: its layers and its first/last role."""
+        return stage_specs(self.model_config.num_hidden_layers, self.pipeline_parallel_size)[index]
 
     @property
     def kv_bytes_per_block(self) -> int:

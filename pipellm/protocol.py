@@ -39,7 +39,7 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    step_id: int
+    micro_batch_id: int
     requests: list[ScheduledRequest]
     # Requests finished or preempted since the last step: workers drop their state first.
     freed_request_ids: list[str] = field(default_factory=list)
@@ -57,7 +57,7 @@ class SchedulerOutput:
 class ModelOutput:
     """The last stage's answer to one SchedulerOutput, in submission order."""
 
-    step_id: int
+    micro_batch_id: int
     sampled_token_ids: list[int]  # one per request with `sample`, in order
     logprobs: list[Logprobs | None] | None = None  # per sampled request, if it asked
     # Requests with prompt_logprobs: request id -> (position of the first prompt token these

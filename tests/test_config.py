@@ -97,7 +97,7 @@ def test_dummy_weights_need_only_the_config(tiny, tmp_path):
 
 def test_prompt_longer_than_max_model_len_is_rejected(tiny):
     with LLM(tiny, max_model_len=32) as llm:
-        with pytest.raises(ValueError, match="max_model_len is 32"):
+        with pytest.raises(ValueError, match="maximum context length is 32 tokens"):
             llm.generate([[5] * 8, [5] * 40], use_tqdm=False)
         # The engine is still usable afterwards.
         out = llm.generate([[5] * 8], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)

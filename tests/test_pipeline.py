@@ -70,7 +70,9 @@ class RecordingExecutor(Executor):
         self.overlaps.append(in_flight & {r.request_id for r in scheduler_output.requests})
         self.depths.append(len(self.core.in_flight) + 1)
         future: Future[ModelOutput] = Future()
-        future.set_result(ModelOutput(scheduler_output.step_id, [7] * scheduler_output.num_sampled))
+        future.set_result(
+            ModelOutput(scheduler_output.micro_batch_id, [7] * scheduler_output.num_sampled)
+        )
         return future
 
     def check_health(self) -> None:

@@ -29,14 +29,14 @@ def two_stage_scheduler(**overrides) -> Scheduler:
         max_num_seqs=8,
         max_num_batched_tokens=8192,
         max_model_len=2048,
-        num_micro_batches=2,
+        num_stages=2,
     )
     settings.update(overrides)
     return make_scheduler(**settings)
 
 
 def fake_output(out: SchedulerOutput) -> ModelOutput:
-    return ModelOutput(out.step_id, [7] * out.num_sampled)
+    return ModelOutput(out.micro_batch_id, [7] * out.num_sampled)
 
 
 def add(scheduler: Scheduler, request_id: str, prompt_len: int, max_tokens: int) -> Request:
@@ -135,7 +135,7 @@ def test_newest_running_request_is_preempted_first():
 
 
 def test_a_request_is_in_at_most_one_in_flight_micro_batch():
-    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, num_micro_batches=4)
+    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, num_stages=4)
     for i in range(16):
         add(scheduler, str(i), prompt_len=10 + i, max_tokens=5)
     max_depth = 0
@@ -151,7 +151,7 @@ def test_a_request_is_in_at_most_one_in_flight_micro_batch():
 
 
 def test_seed_rule_limits_admissions_per_micro_batch():
-    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=1000, num_micro_batches=2)
+    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=1000, num_stages=2)
     for i in range(8):
         add(scheduler, str(i), prompt_len=10, max_tokens=3)
     first = scheduler.schedule()
@@ -161,7 +161,7 @@ def test_seed_rule_limits_admissions_per_micro_batch():
 
 def test_without_balancing_one_micro_batch_takes_everything():
     scheduler = make_scheduler(
-        max_num_seqs=8, max_num_batched_tokens=1000, num_micro_batches=2, pp_balance=False
+        max_num_seqs=8, max_num_batched_tokens=1000, num_stages=2, pp_balance=False
     )
     for i in range(8):
         add(scheduler, str(i), prompt_len=10, max_tokens=3)
@@ -173,7 +173,7 @@ def test_abort_while_in_flight_frees_blocks_when_output_returns():
     scheduler = make_scheduler()
     add(scheduler, "a", prompt_len=10, max_tokens=5)
     out = scheduler.schedule()
-    scheduler.finish_request("a", "abort")
+    scheduler.stop_request("a", "abort")
     assert scheduler.block_manager.num_free_blocks < scheduler.block_manager.num_blocks
     scheduler.update_from_output(out, fake_output(out))
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
@@ -236,7 +236,7 @@ def test_balancing_does_not_split_a_lone_prompt_even_under_the_cap():
 
 def test_balancing_does_not_split_a_lone_prompt():
     scheduler = make_scheduler(
-        max_num_batched_tokens=4096, max_model_len=2048, num_micro_batches=2, num_blocks=256
+        max_num_batched_tokens=4096, max_model_len=2048, num_stages=2, num_blocks=256
     )
     add(scheduler, "only", prompt_len=1000, max_tokens=4)
     assert scheduler.schedule().num_tokens == 1000

@@ -36,6 +36,7 @@ import transformers
 from pipellm import LLM, SamplingParams
 from pipellm.loader.weights import iter_weights
 from pipellm.model.model_config import ModelConfig
+from pipellm.model.stage_spec import StageSpec
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def load_transformers_model(llm: LLM) -> transformers.PreTrainedModel:
     config_class = getattr(transformers, config.architecture.replace("ForCausalLM", "Config"))
     hf_config = config_class(**config.hf_config_kwargs())
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    layers = config.num_hidden_layers
-    weights = dict(iter_weights(llm.config.source, config, 0, layers, True, True, torch.float32))
+    stage = StageSpec.whole_model(config.num_hidden_layers)
+    weights = dict(iter_weights(llm.config.source, config, stage, torch.float32))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if config.tie_word_embeddings:
         missing = [name for name in missing if name != "lm_head.weight"]

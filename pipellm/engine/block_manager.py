@@ -130,11 +130,3 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         request.block_ids = []
-
-    def reset_prefix_cache(self) -> None:
-        for block in range(self.num_blocks):
-            if self.ref_counts[block] == 0:
-                self.block_hash[block] = None
-        self.hash_to_block = {
-            h: b for h, b in self.hash_to_block.items() if self.block_hash[b] is not None
-        }

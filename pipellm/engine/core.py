@@ -17,6 +17,7 @@ from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.output_processor import TextState
 from pipellm.engine.pipeline_stats import PipelineStats
+from pipellm.engine.prompt_check import check_prompt
 from pipellm.engine.request import Request
 from pipellm.engine.scheduler import Scheduler, SchedulerConfig
 from pipellm.executor.base import Executor
@@ -62,17 +63,17 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
-                num_micro_batches=config.pipeline_parallel_size,
+                num_stages=config.pipeline_parallel_size,
                 pp_balance=config.pp_balance,
                 pp_microbatch_tokens=config.pp_microbatch_tokens,
             ),
             self.block_manager,
         )
         self.executor = executor or make_executor(config)
-        self.batch_queue_depth = self.executor.num_stages
+        self.num_stages = config.pipeline_parallel_size  # P: micro-batches kept in flight
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         self.texts: dict[str, TextState] = {}
-        self.pipeline_stats = PipelineStats(self.executor.num_stages, clock=clock)
+        self.pipeline_stats = PipelineStats(self.num_stages, clock=clock)
         self._last_log = clock()
         self.num_prompt_tokens = 0  # counters for metrics: prompt tokens admitted
         self.num_generation_tokens = 0
@@ -82,17 +83,8 @@ class EngineCore:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        limit = self.config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(prompt_token_ids) >= limit:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {limit}; "
-                "shorten the prompt or raise max_model_len (it must leave room for one token)"
-            )
         vocab = self.config.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        check_prompt(prompt_token_ids, vocab, self.config.max_model_len)
         params = params.resolve(
             self.eos_token_ids,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
@@ -104,7 +96,7 @@ class EngineCore:
         self.texts[request_id] = TextState(self.tokenizer, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id, "abort")
+        self.scheduler.stop_request(request_id, "abort")
         self.texts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -114,12 +106,12 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         """Submits micro-batches until the queue is full, then applies the oldest result."""
-        while len(self.in_flight) < self.batch_queue_depth:
+        while len(self.in_flight) < self.num_stages:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is None:
                 break
             self.pipeline_stats.on_submit(
-                scheduler_output.step_id,
+                scheduler_output.micro_batch_id,
                 len(scheduler_output.requests),
                 scheduler_output.num_tokens,
                 len(self.in_flight) + 1,
@@ -129,7 +121,7 @@ class EngineCore:
             return []
         scheduler_output, future = self.in_flight.popleft()
         model_output = future.result()
-        self.pipeline_stats.on_done(scheduler_output.step_id, model_output.stage_times)
+        self.pipeline_stats.on_done(scheduler_output.micro_batch_id, model_output.stage_times)
         self._maybe_log_stats()
         return self._apply(scheduler_output, model_output)
 
@@ -179,8 +171,7 @@ class EngineCore:
             text = self.texts[request.request_id]
             delta, stop_string = text.push(update.token_id, update.finished)
             if stop_string is not None and not update.finished:
-                request.finish_reason, request.stop_reason = "stop", stop_string
-                self.scheduler.finish_request(request.request_id, "stop")
+                self.scheduler.stop_request(request.request_id, "stop", stop_string)
             finished = request.is_finished
             outputs.append(
                 EngineOutput(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 @dataclass
 class MicroBatchRecord:
-    step_id: int
+    micro_batch_id: int
     submitted: float
     done: float
     num_requests: int
@@ -42,14 +42,18 @@ class PipelineStats:
         self.active_total = 0.0
         self._active_until = 0.0
 
-    def on_submit(self, step_id: int, num_requests: int, num_tokens: int, depth: int) -> None:
-        self._submitted[step_id] = (self.clock(), num_requests, num_tokens, depth)
+    def on_submit(
+        self, micro_batch_id: int, num_requests: int, num_tokens: int, depth: int
+    ) -> None:
+        self._submitted[micro_batch_id] = (self.clock(), num_requests, num_tokens, depth)
 
-    def on_done(self, step_id: int, stage_times: list[tuple[float, float]]) -> None:
-        submitted, num_requests, num_tokens, depth = self._submitted.pop(step_id)
+    def on_done(self, micro_batch_id: int, stage_times: list[tuple[float, float]]) -> None:
+        submitted, num_requests, num_tokens, depth = self._submitted.pop(micro_batch_id)
         done = self.clock()
         self.records.append(
-            MicroBatchRecord(step_id, submitted, done, num_requests, num_tokens, depth, stage_times)
+            MicroBatchRecord(
+                micro_batch_id, submitted, done, num_requests, num_tokens, depth, stage_times
+            )
         )
         for stage, (start, end) in enumerate(stage_times):
             self.stage_busy_total[stage] += end - start
@@ -99,7 +103,7 @@ class PipelineStats:
             for stage, (start, end) in enumerate(r.stage_times):
                 events.append(
                     {
-                        "name": f"mb {r.step_id}",
+                        "name": f"mb {r.micro_batch_id}",
                         "ph": "X",
                         "pid": 0,
                         "tid": stage,

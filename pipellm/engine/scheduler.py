@@ -22,7 +22,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
-    num_micro_batches: int = 1  # pipeline stages: how many micro-batches are in flight
+    num_stages: int = 1  # P: pipeline stages, so up to P micro-batches in flight
     pp_balance: bool = True
     pp_microbatch_tokens: int = 128  # balanced pipelines: most tokens per micro-batch
 
@@ -45,7 +45,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: FCFS, the newest is preempted first
         self.requests: dict[str, Request] = {}
         self._freed_ids: list[str] = []
-        self._next_step_id = 0
+        self._next_micro_batch_id = 0
         self.num_preemptions = 0
         self.num_in_flight_tokens = 0  # scheduled tokens whose micro-batch has not returned
         self.num_in_flight_batches = 0
@@ -58,13 +58,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, reason: str) -> None:
-        """Ends a request now, or when its in-flight micro-batch comes back."""
+    def stop_request(
+        self, request_id: str, reason: str, stop_reason: int | str | None = None
+    ) -> None:
+        """Ends a request now, or when its in-flight micro-batch comes back: the one writer of
+        finish_reason ("stop" | "length" | "abort") and stop_reason. The first reason stands."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return
-        request.finish_reason = request.finish_reason or reason
-        request.aborted = reason == "abort"
+        request.finish_reason, request.stop_reason = reason, stop_reason
         if request.in_flight:
             request.status = RequestStatus.FINISHED  # blocks freed when the output returns
             return
@@ -113,10 +115,12 @@ class Scheduler:
         return [r for r in self.running if not r.in_flight and r.status == RequestStatus.RUNNING]
 
     def _admission_limit(self) -> int:
-        """New or resumed requests per micro-batch: the seed's rule spreads them over P."""
+        """New or resumed requests per micro-batch: at most max(1, max_num_seqs // P), so a
+        burst of arrivals is spread over the P micro-batches in flight instead of filling one
+        while the other stages idle (vLLM issue #27462)."""
         cfg = self.config
-        if cfg.pp_balance and cfg.num_micro_batches > 1:
-            return max(1, cfg.max_num_seqs // cfg.num_micro_batches)
+        if cfg.pp_balance and cfg.num_stages > 1:
+            return max(1, cfg.max_num_seqs // cfg.num_stages)
         return cfg.max_num_seqs
 
     def _token_budget(self) -> int:
@@ -133,16 +137,16 @@ class Scheduler:
         micro-batches keep that short.
         """
         cfg = self.config
-        if not (cfg.pp_balance and cfg.num_micro_batches > 1):
+        if not (cfg.pp_balance and cfg.num_stages > 1):
             return cfg.max_num_batched_tokens
         ready = self._ready_running()
         ready += list(self.waiting)[: max(0, cfg.max_num_seqs - len(self.running))]
         if not ready:
             return cfg.max_num_batched_tokens
         remaining = [r.num_tokens - r.num_computed_tokens for r in ready]
-        ways = min(cfg.num_micro_batches, self.num_in_flight_batches + len(ready))
+        ways = min(cfg.num_stages, self.num_in_flight_batches + len(ready))
         share = max(-(-(self.num_in_flight_tokens + sum(remaining)) // ways), max(remaining))
-        if ways == cfg.num_micro_batches:
+        if ways == cfg.num_stages:
             share = min(share, cfg.pp_microbatch_tokens)
         return max(1, min(cfg.max_num_batched_tokens, share))
 
@@ -199,7 +203,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             bm.take_cached_prefix(request, cached)
-            assert bm.allocate_slots(request, num_new)
+            allocated = bm.allocate_slots(request, num_new)
+            assert allocated, "can_allocate promised these blocks"
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
@@ -232,11 +237,11 @@ class Scheduler:
             item.sample = request.num_computed_tokens == request.num_tokens
             self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             scheduled.append(item)
-        output = SchedulerOutput(self._next_step_id, scheduled, self._freed_ids)
+        output = SchedulerOutput(self._next_micro_batch_id, scheduled, self._freed_ids)
         self.num_in_flight_tokens += output.num_tokens
         self.num_in_flight_batches += 1
         self._freed_ids = []
-        self._next_step_id += 1
+        self._next_micro_batch_id += 1
         return output
 
     # ---- applying a micro-batch's result --------------------------------------------------
@@ -245,7 +250,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_output: ModelOutput
     ) -> list[TokenUpdate]:
         """Appends sampled tokens in submission order and applies token-level stop rules."""
-        assert model_output.step_id == scheduler_output.step_id, "outputs applied out of order"
+        assert model_output.micro_batch_id == scheduler_output.micro_batch_id, (
+            "outputs applied out of order"
+        )
         self.num_in_flight_tokens -= scheduler_output.num_tokens
         self.num_in_flight_batches -= 1
         updates = []
@@ -269,8 +276,8 @@ class Scheduler:
             if token_id is None:
                 continue
             request.append_output_token(token_id)
-            finished = request.check_token_stop(self.config.max_model_len)
-            updates.append(TokenUpdate(request, token_id, token_logprobs, finished))
-            if finished:
-                self._release(request)
+            stop = request.token_stop(self.config.max_model_len)
+            updates.append(TokenUpdate(request, token_id, token_logprobs, stop is not None))
+            if stop is not None:
+                self.stop_request(request.request_id, *stop)
         return updates

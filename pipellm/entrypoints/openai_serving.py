@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipellm.config import EngineConfig
 from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError
+from pipellm.engine.prompt_check import check_prompt
 from pipellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -160,20 +161,11 @@ class OpenAIServing:
     ) -> SamplingParams:
         """Checks the prompt against the vocabulary and the context; max_tokens None means
         the rest of the context."""
-        vocab = self.config.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise OpenAIError(
-                f"prompt token id {bad} is out of range: ids must lie in [0, {vocab})",
-                param="prompt",
-            )
         limit = self.config.max_model_len
-        if len(prompt_ids) >= limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(prompt_ids)} tokens; shorten it so that at least one new token fits.",
-                param="prompt",
-            )
+        try:
+            check_prompt(prompt_ids, self.config.model_config.vocab_size, limit)
+        except ValueError as error:
+            raise OpenAIError(str(error), param="prompt") from None
         if max_tokens is None:
             max_tokens = limit - len(prompt_ids)
         params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)

@@ -93,7 +93,7 @@ class _ModelledStages(Executor):
             for r in scheduler_output.requests
             if r.sample
         ]
-        return ModelOutput(scheduler_output.step_id, tokens, stage_times=stage_times)
+        return ModelOutput(scheduler_output.micro_batch_id, tokens, stage_times=stage_times)
 
     def check_health(self) -> None:
         if self._closed:

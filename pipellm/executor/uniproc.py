@@ -16,7 +16,7 @@ from pipellm.worker.worker import StageWorker
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.threads_per_stage)
-        self.worker = StageWorker(config, stage_rank=0)
+        self.worker = StageWorker(config, stage_index=0)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
         future: Future[ModelOutput] = Future()

@@ -21,6 +21,7 @@ from pipellm.model.gguf_linear import QuantizedWeight, stack_rows
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import RotaryEmbedding
+from pipellm.model.stage_spec import StageSpec
 
 
 class RMSNorm(nn.Module):
@@ -127,14 +128,13 @@ class LlamaStage(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        layer_start: int,
-        layer_end: int,
-        is_first: bool,
-        is_last: bool,
+        stage: StageSpec,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.config = config
+        layer_start, layer_end = stage.layer_start, stage.layer_end
+        is_first, is_last = stage.is_first, stage.is_last
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first, self.is_last = is_first, is_last
         hidden, vocab = config.hidden_size, config.vocab_size

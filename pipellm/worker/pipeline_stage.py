@@ -31,7 +31,8 @@ class PipelineStage:
     ) -> None:
         torch.set_num_threads(config.threads_per_stage)
         self.rank, self.num_stages = rank, config.pipeline_parallel_size
-        self.is_first, self.is_last = rank == 0, rank == self.num_stages - 1
+        stage = config.stage(rank)  # a pipeline-only group: the rank is the stage index
+        self.is_first, self.is_last = stage.is_first, stage.is_last
         self._group = join_pipeline_group(rendezvous, rank, self.num_stages, listener)
         self.worker = StageWorker(config, rank)
         self.hidden_size = config.model_config.hidden_size

@@ -13,7 +13,6 @@ from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
 from pipellm.model.sampler import sample
-from pipellm.model.stage_spec import partition_layers
 from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from pipellm.worker.model_runner import ModelRunner
@@ -42,23 +41,19 @@ def keep_freed_memory() -> None:
 
 
 class StageWorker:
-    def __init__(self, config: EngineConfig, stage_rank: int) -> None:
+    def __init__(self, config: EngineConfig, stage_index: int) -> None:
         keep_freed_memory()
         cpu_kernels_available()  # build or load them now, not in the first step
         self.config = config
-        self.stage_rank = stage_rank
-        num_stages = config.pipeline_parallel_size
-        self.is_first, self.is_last = stage_rank == 0, stage_rank == num_stages - 1
+        self.stage = stage = config.stage(stage_index)
+        self.is_first, self.is_last = stage.is_first, stage.is_last
         mc = config.model_config
-        start, end = partition_layers(mc.num_hidden_layers, num_stages)[stage_rank]
-        self.model = LlamaStage(mc, start, end, self.is_first, self.is_last, config.torch_dtype)
+        self.model = LlamaStage(mc, stage, config.torch_dtype)
         # GGUF weights the kernel takes as stored are never dequantized: the load's peak
         # memory is then the quantized model, not the float32 one.
         quantized = {}
         if config.quantization == "gguf" and cpu_kernels_available():
-            checkpoint = iter_quantized_weights(
-                config.source, mc, start, end, self.is_first, self.is_last
-            )
+            checkpoint = iter_quantized_weights(config.source, mc, stage)
             quantized = self.model.quantized_linears(dict(checkpoint))
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
@@ -67,16 +62,7 @@ class StageWorker:
             if self.is_first:
                 skip.discard("model.embed_tokens.weight")  # the lookup needs its float32 rows
             self.model.load_weights(
-                iter_weights(
-                    config.source,
-                    mc,
-                    start,
-                    end,
-                    self.is_first,
-                    self.is_last,
-                    config.torch_dtype,
-                    skip,
-                ),
+                iter_weights(config.source, mc, stage, config.torch_dtype, skip),
                 skipped=skip,
             )
         self.model.prepare_for_inference(prepack=True, quantized=quantized)
@@ -87,7 +73,7 @@ class StageWorker:
                 torch.zeros(cache_shape, dtype=config.cache_dtype),
                 torch.zeros(cache_shape, dtype=config.cache_dtype),
             )
-            for _ in range(start, end)
+            for _ in range(stage.num_layers)
         ]
         self.runner = ModelRunner(config.block_size)
         self.token_counts = OutputTokenCounts(mc.vocab_size) if self.is_last else None
@@ -119,7 +105,9 @@ class StageWorker:
             tokens, logprobs = sample(logits, params, positions, self.generator, rules)
             if all(lp is None for lp in logprobs):
                 logprobs = None
-        return ModelOutput(scheduler_output.step_id, tokens, logprobs, prompt_logprobs=prompt)
+        return ModelOutput(
+            scheduler_output.micro_batch_id, tokens, logprobs, prompt_logprobs=prompt
+        )
 
     def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
         if not params.has_logits_rules:
