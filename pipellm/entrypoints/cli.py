@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "micro-batch shapes, fits the linear cost model of docs/simulation.md, prints the fit "
         "error and writes a profile for --sim-profile.",
     )
-    from pipellm.sim.measure import add_cli_args as add_profile_args
+    from pipellm.entrypoints.sim_measure import add_cli_args as add_profile_args
 
     add_profile_args(profile)
 

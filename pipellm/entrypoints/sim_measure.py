@@ -64,7 +64,7 @@ class Sample:
 
 
 def _scheduler_output(chunks: list[tuple[int, int]], ids: itertools.count, block_size: int):
-    from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+    from pipellm.protocol import ScheduledRequest, SchedulerOutput
     from pipellm.sampling_params import SamplingParams
 
     requests, next_block = [], 0
@@ -90,7 +90,7 @@ def time_stage(config: Any, stage: int, repeats: int) -> list[Sample]:
     """Median seconds of each grid micro-batch on one stage, built here as its worker would."""
     import torch
 
-    from pipellm.worker.partition import partition_layers
+    from pipellm.model.stage_spec import partition_layers
     from pipellm.worker.worker import StageWorker
 
     torch.set_num_threads(config.threads_per_stage)
