@@ -56,7 +56,7 @@ def run_once(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> 
         [rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
     ]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    sent, first_token, open_requests = {}, {}, set()
+    sent, first_token, last_token, open_requests = {}, {}, {}, set()
     started = time.perf_counter()
     since = time.time()
     next_prompt = 0
@@ -72,16 +72,20 @@ def run_once(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> 
                 first_token.setdefault(out.request_id, time.perf_counter())
                 if out.finished:
                     open_requests.discard(out.request_id)
+                    last_token[out.request_id] = time.perf_counter()
         duration = time.perf_counter() - started
         pipeline = core.pipeline_stats.summary(since)
     finally:
         core.shutdown()
     ttfts = [first_token[r] - sent[r] for r in sent]
+    # Every request has output_len tokens (ignore_eos): the time per token after the first.
+    tpots = [(last_token[r] - first_token[r]) / max(1, args.output_len - 1) for r in sent]
     return {
         "duration_s": duration,
         "output_tok_s": args.num_prompts * args.output_len / duration,
         "total_tok_s": args.num_prompts * (args.input_len + args.output_len) / duration,
         "mean_ttft_s": statistics.mean(ttfts),
+        "median_tpot_s": statistics.median(tpots),
         "stage_idle": pipeline["stage_idle_fraction"],
         "mean_queue_depth": pipeline["mean_queue_depth"],
     }

@@ -1,4 +1,4 @@
-"""`pipellm` command line: generate, serve, simulate, bench serve, demo."""
+"""`pipellm` command line: generate, serve, simulate, profile, bench serve, demo."""
 
 from __future__ import annotations
 
@@ -112,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     from pipellm.entrypoints.simulate import add_cli_args as add_simulate_args
 
     add_simulate_args(simulate)
+
+    profile = sub.add_parser(
+        "profile",
+        help="time this machine's stage steps and write a sim profile",
+        description="Times real pipeline-stage steps of MODEL on this machine over a grid of "
+        "micro-batch shapes, fits the linear cost model of docs/simulation.md, prints the fit "
+        "error and writes a profile for --sim-profile.",
+    )
+    from pipellm.entrypoints.sim_measure import add_cli_args as add_profile_args
+
+    add_profile_args(profile)
 
     demo = sub.add_parser("demo", help="the main job on the built-in model")
     demo.set_defaults(func=_demo)

@@ -74,6 +74,29 @@ inline __m512 half16_to_float(const uint8_t* p) {
 }
 #endif
 
+// A panel's 16 columns in registers, at the level's vector width.
+#if defined(__AVX512F__)
+struct Columns {
+  __m512 v;
+  static Columns load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Columns zero() { return {_mm512_setzero_ps()}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  // this + x w, one rounding per column
+  void fma(const float* x, const Columns& w) { v = _mm512_fmadd_ps(_mm512_set1_ps(*x), w.v, v); }
+};
+#else
+struct Columns {
+  __m256 lo, hi;
+  static Columns load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static Columns zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  void store(float* p) const { _mm256_storeu_ps(p, lo), _mm256_storeu_ps(p + 8, hi); }
+  void fma(const float* x, const Columns& w) {
+    const __m256 xv = _mm256_broadcast_ss(x);
+    lo = _mm256_fmadd_ps(xv, w.lo, lo), hi = _mm256_fmadd_ps(xv, w.hi, hi);
+  }
+};
+#endif
+
 // One record (a 32-deep block of a panel), dequantized depth by depth into registers.
 struct Q4_1Record {
   static constexpr int64_t kBytes = 2 * kPanel * 2 + kBlock * kPanel / 2;
@@ -107,6 +130,9 @@ struct Q4_1Record {
     w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(columns), d, m);
   }
   __m512 d, m;
+  void at(int64_t k, Columns& w) const { at(k, w.v); }
+#else
+  void at(int64_t k, Columns& w) const { at(k, w.lo, w.hi); }
 #endif
 };
 
@@ -132,6 +158,9 @@ struct Q8_0Record {
     w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
   }
   __m512 d;
+  void at(int64_t k, Columns& w) const { at(k, w.v); }
+#else
+  void at(int64_t k, Columns& w) const { at(k, w.lo, w.hi); }
 #endif
 };
 
@@ -201,6 +230,61 @@ template <class Record>
 constexpr auto kFusedRowBlock =
     fused_row_blocks<Record>(std::make_integer_sequence<int, kFusedRows + 1>{});
 
+// Rows [0, R) of x (R = 1 or 2) times NP panels at once, p0 to p0 + NP - 1, each depth's
+// weights dequantized in registers. Why: at one or two rows a single panel's outputs are one
+// or two chains of dependent FMAs, each depth waiting on the previous one's latency (4
+// cycles); NP panels side by side give the core NP times as many independent chains. Each
+// output is still its own chain over the depth in order, so the bits do not change.
+#define FOR_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
+constexpr int kPanelsAtOnce = 4;
+template <class Record, int R, int NP>
+void fused_panels(const float* x, int64_t ldx, const uint8_t* wp, int64_t panel_bytes, int64_t p0,
+                  int64_t blocks, const PanelOutput& y, const uint8_t* end) {
+  static_assert(R >= 1 && R <= 2 && NP >= 1 && NP <= kPanelsAtOnce);
+#define DECLARE(r, p)                                                       \
+  Columns acc##r##p = Columns::zero();                                      \
+  if (R > r && NP > p && y.bias(p0 + p)) acc##r##p = Columns::load(y.bias(p0 + p));
+  FOR_PANELS(DECLARE, 0)
+  FOR_PANELS(DECLARE, 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+#define RECORD(unused, p)                                                             \
+  const uint8_t* bytes##p = wp + (p0 + (NP > p ? p : 0)) * panel_bytes + b * Record::kBytes; \
+  if (NP > p) prefetch_ahead(bytes##p, Record::kBytes, end);                          \
+  const Record record##p(bytes##p);
+    FOR_PANELS(RECORD, 0)
+    const float* xk = x + b * kBlock;
+    for (int64_t k = 0; k < kBlock; ++k, ++xk) {
+#define STEP(unused, p)                          \
+  if (NP > p) {                                  \
+    Columns w;                                   \
+    record##p.at(k, w);                          \
+    acc0##p.fma(xk, w);                          \
+    if (R > 1) acc1##p.fma(xk + ldx, w);         \
+  }
+      FOR_PANELS(STEP, 0)
+    }
+  }
+#define STORE(r, p) \
+  if (R > r && NP > p) acc##r##p.store(y.dst(p0 + p) + r * y.ld(p0 + p));
+  FOR_PANELS(STORE, 0)
+  FOR_PANELS(STORE, 1)
+#undef DECLARE
+#undef RECORD
+#undef STEP
+#undef STORE
+}
+#undef FOR_PANELS
+
+using FusedPanelsFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
+                               const PanelOutput&, const uint8_t*);
+// kFusedPanels<Record>[R - 1][NP - 1]
+template <class Record>
+constexpr FusedPanelsFn kFusedPanels[2][kPanelsAtOnce] = {
+    {fused_panels<Record, 1, 1>, fused_panels<Record, 1, 2>, fused_panels<Record, 1, 3>,
+     fused_panels<Record, 1, 4>},
+    {fused_panels<Record, 2, 1>, fused_panels<Record, 2, 2>, fused_panels<Record, 2, 3>,
+     fused_panels<Record, 2, 4>}};
+
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
                             const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantized_linear: kind 0 (Q4_1) or 1 (Q8_0)");
@@ -234,6 +318,14 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
                         y.bias(p), nullptr);
       });
     };
+    if (m <= 2) {  // one or two rows: several panels' dependent FMA chains side by side
+      const auto& by_panels = kind == kQ4_1 ? kFusedPanels<Q4_1Record> : kFusedPanels<Q8_0Record>;
+      for (int64_t p = first; p < last; p += kPanelsAtOnce) {
+        const int64_t np = std::min<int64_t>(kPanelsAtOnce, last - p);
+        by_panels[m - 1][np - 1](xp, depth, wp, panel_bytes, p, depth / kBlock, y, end);
+      }
+      return;
+    }
     if (m <= kFusedRows) {  // a few rows: the weights dequantized in registers
       for (int64_t p = first; p < last; ++p)
         fused[m](xp, depth, wp + p * panel_bytes, depth / kBlock, y.dst(p), y.ld(p), y.bias(p),

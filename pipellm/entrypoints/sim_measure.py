@@ -1,0 +1,266 @@
+"""`pipellm profile`: times real stage steps on this machine and fits the linear cost model.
+
+Each stage of P = 1 and P = 2 (by default) is built in this process, as its worker would build
+it (weights, KV cache, kernels, --num-threads torch threads), and runs a grid of made-up
+micro-batches: decode batches of several rows and contexts, prefill chunks of several sizes,
+some after a cached context. The median time of each is fitted by least squares, relative to
+the time (so short steps weigh as much as long ones), to pipellm/sim/cost.py's linear model:
+
+    time = step_s + L (layer_s + layer_token_s T + layer_request_s R + layer_pair_s A)
+           [+ head_s + head_sampled_s S on the last stage]
+
+Stages of different sizes (P = 1 has every layer, P = 2 half) separate the per-layer terms
+from the per-step ones. The engine's own time per micro-batch (scheduling, output processing,
+statistics), which delays every micro-batch's start, is measured too, by running the real
+engine loop over zero-cost stages, and written as link.dispatch_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from pipellm.sim.cost import LinearCoefficients, LinearStageCost
+from pipellm.sim.shapes import BatchShape
+
+# (cached context, scheduled tokens) of each request in a grid micro-batch.
+DECODE_GRID = [[(context, 1)] * rows for rows in (1, 4, 8) for context in (128, 1024)]
+PREFILL_GRID = [
+    [(0, 16)],
+    [(0, 64)],
+    [(0, 128)],
+    [(512, 128)],
+    [(896, 128)],
+    [(0, 512)],
+    [(0, 1024)],
+    [(0, 1024), (0, 1024)],
+    [(1024, 1)] * 4 + [(0, 124)],  # a balanced micro-batch: decodes and a prompt chunk
+]
+
+
+def grid(max_model_len: int) -> list[list[tuple[int, int]]]:
+    """The grid's micro-batches whose requests fit the context (a small model's may not)."""
+    return [
+        chunks
+        for chunks in DECODE_GRID + PREFILL_GRID
+        if all(cached + num_new < max_model_len for cached, num_new in chunks)
+    ]
+
+
+@dataclass
+class Sample:
+    num_layers: int
+    is_last: bool
+    batch: BatchShape
+    seconds: float
+
+
+def _scheduler_output(chunks: list[tuple[int, int]], ids: itertools.count, block_size: int):
+    from pipellm.protocol import ScheduledRequest, SchedulerOutput
+    from pipellm.sampling_params import SamplingParams
+
+    requests, next_block = [], 0
+    for cached, num_new in chunks:
+        total = cached + num_new
+        num_blocks = -(-total // block_size)
+        requests.append(
+            ScheduledRequest(
+                request_id=f"p{next(ids)}",
+                num_computed_tokens=cached,
+                num_scheduled_tokens=num_new,
+                new_token_ids=[7] * total,
+                new_block_ids=list(range(next_block, next_block + num_blocks)),
+                sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                sample=True,
+            )
+        )
+        next_block += num_blocks
+    return SchedulerOutput(0, requests)
+
+
+def time_stage(config: Any, stage: int, repeats: int) -> list[Sample]:
+    """Median seconds of each grid micro-batch on one stage, built here as its worker would."""
+    import torch
+
+    from pipellm.model.stage_spec import partition_layers
+    from pipellm.worker.worker import StageWorker
+
+    torch.set_num_threads(config.threads_per_stage)
+    worker = StageWorker(config, stage)
+    start, end = partition_layers(
+        config.model_config.num_hidden_layers, config.pipeline_parallel_size
+    )[stage]
+    ids = itertools.count()
+    samples = []
+    previous: list[str] = []
+    for chunks in grid(config.max_model_len):
+        times = []
+        for _ in range(repeats + 1):  # the first run warms caches and allocations up
+            output = _scheduler_output(chunks, ids, config.block_size)
+            output.freed_request_ids, previous = previous, [r.request_id for r in output.requests]
+            hidden = None
+            if not worker.is_first:
+                hidden = torch.randn(output.num_tokens, config.model_config.hidden_size)
+            started = time.perf_counter()
+            worker.execute(output, hidden)
+            times.append(time.perf_counter() - started)
+        samples.append(
+            Sample(end - start, worker.is_last, BatchShape.of(output), statistics.median(times[1:]))
+        )
+    return samples
+
+
+def fit(samples: list[Sample]) -> tuple[LinearCoefficients, list[float]]:
+    """Least squares relative to each time; returns the coefficients and each relative error."""
+    rows = []
+    for s in samples:
+        b, n, last = s.batch, s.num_layers, float(s.is_last)
+        rows.append(
+            [1, n, n * b.num_tokens, n * b.num_requests, n * b.attention_pairs, last,
+             last * b.num_sampled]
+        )  # fmt: skip
+    features = np.array(rows, dtype=float)
+    seconds = np.array([s.seconds for s in samples])
+    weights = 1 / seconds
+    solution = _nonnegative_lstsq(features * weights[:, None], seconds * weights)
+    names = ["step_s", "layer_s", "layer_token_s", "layer_request_s", "layer_pair_s", "head_s"]
+    coefficients = LinearCoefficients(
+        **dict(zip([*names, "head_sampled_s"], solution.tolist(), strict=True))
+    )
+    errors = [
+        LinearStageCost(s.num_layers, s.is_last, coefficients).seconds(s.batch) / s.seconds - 1
+        for s in samples
+    ]
+    return coefficients, errors
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (a time cannot shrink with more work):
+    terms whose best value is negative are dropped, one at a time, and the rest refitted."""
+    active = list(range(a.shape[1]))
+    while True:
+        solution = np.zeros(a.shape[1])
+        solution[active], *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if solution.min() >= 0:
+            return solution
+        active.remove(int(np.argmin(solution)))
+
+
+def engine_seconds_per_step(config: Any) -> float:
+    """Wall time per micro-batch of the real engine loop over zero-cost stages."""
+    from pipellm.engine.core import EngineCore
+    from pipellm.executor.sim import VirtualSimExecutor
+    from pipellm.sampling_params import SamplingParams
+    from pipellm.sim.clock import VirtualClock
+    from pipellm.sim.cost import Link
+    from pipellm.sim.profile import Profile
+
+    clock = VirtualClock()
+    free = Profile(cost_model="linear", link=Link(), linear=LinearCoefficients())
+    core = EngineCore(config, VirtualSimExecutor(config, clock, free), clock=clock.time)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    vocab = config.model_config.vocab_size
+    for i in range(8):
+        core.add_request(str(i), [(i * 31 + j) % vocab for j in range(256)], params)
+    steps = 0
+    started = time.perf_counter()
+    while core.has_unfinished_requests():
+        core.step()
+        steps += 1
+    elapsed = time.perf_counter() - started
+    core.shutdown()
+    return elapsed / steps
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    from pipellm.config import EngineConfig
+
+    sizes = [int(p) for p in args.pipeline_parallel_sizes.split(",")]
+    samples: list[Sample] = []
+    for size in sizes:
+        config = EngineConfig(
+            model=args.model,
+            pipeline_parallel_size=size,
+            num_threads=args.num_threads,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=False,
+        )
+        for stage in range(size):
+            print(f"timing stage {stage} of {size} ...", flush=True)
+            samples += time_stage(config, stage, args.repeats)
+    coefficients, errors = fit(samples)
+    print(f"{'stage layers':>12s} {'last':>5s} {'tokens':>7s} {'rows':>5s} {'measured ms':>12s} "
+          f"{'fitted ms':>10s} {'error':>7s}")  # fmt: skip
+    for s, e in zip(samples, errors, strict=True):
+        print(
+            f"{s.num_layers:12d} {s.is_last!s:>5s} {s.batch.num_tokens:7d} "
+            f"{s.batch.num_requests:5d} {s.seconds * 1e3:12.2f} "
+            f"{s.seconds * (1 + e) * 1e3:10.2f} {e:+7.1%}"
+        )
+    abs_errors = [abs(e) for e in errors]
+    print(f"fit error: mean {statistics.mean(abs_errors):.1%}, max {max(abs_errors):.1%}")
+    dispatch = engine_seconds_per_step(config)
+    print(f"engine loop: {dispatch * 1e3:.2f} ms per micro-batch (link.dispatch_s)")
+    machine = platform.processor() or platform.machine()
+    result = {
+        "description": f"measured by pipellm profile on {machine}",
+        "cost_model": "linear",
+        "linear": asdict(coefficients),
+        "link": {"dispatch_s": dispatch},
+        "measured_on": {
+            "model": config.model_name,
+            "num_threads": args.num_threads,
+            "pipeline_parallel_sizes": sizes,
+            "repeats": args.repeats,
+        },
+        "fit": {
+            "mean_abs_error": statistics.mean(abs_errors),
+            "max_abs_error": max(abs_errors),
+            "samples": [
+                {
+                    "layers": s.num_layers,
+                    "last_stage": s.is_last,
+                    **asdict(s.batch),
+                    "measured_s": s.seconds,
+                    "fitted_s": s.seconds * (1 + e),
+                }
+                for s, e in zip(samples, errors, strict=True)
+            ],
+        },
+    }
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"profile written to {args.output}")
+    return result
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", nargs="?", help="local HF folder, .gguf, or built-in preset (default: SmolLM2)"
+    )
+    parser.add_argument("--output", required=True, help="where to write the profile JSON")
+    parser.add_argument(
+        "--pipeline-parallel-sizes",
+        default="1,2",
+        help="time every stage of each of these P (comma-separated; default %(default)s)",
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=1, help="torch threads per stage (default 1)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length (default: the model's); grid points beyond it are skipped",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="timed runs per micro-batch (after a warm-up)"
+    )
+    parser.set_defaults(func=profile)

@@ -1,0 +1,63 @@
+"""`pipellm profile`: the fit recovers a known cost model, and the command writes a profile
+the sim backend loads."""
+
+import json
+
+import pytest
+
+from pipellm.entrypoints.cli import build_parser
+from pipellm.entrypoints.sim_measure import DECODE_GRID, PREFILL_GRID, Sample, fit, grid
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
+from pipellm.sim.cost import LinearCoefficients, LinearStageCost
+from pipellm.sim.profile import load_profile
+from pipellm.sim.shapes import BatchShape
+from tests.checkpoints import make_tiny_checkpoint
+
+
+def grid_batch(chunks: list[tuple[int, int]]) -> BatchShape:
+    requests = [
+        ScheduledRequest(str(i), c, n, [], [], sample=True) for i, (c, n) in enumerate(chunks)
+    ]
+    return BatchShape.of(SchedulerOutput(0, requests))
+
+
+def test_fit_recovers_the_coefficients_it_was_made_from():
+    truth = LinearCoefficients(
+        step_s=2e-3, layer_s=1e-3, layer_token_s=5e-5, layer_request_s=1e-5,
+        layer_pair_s=1e-8, head_s=4e-3, head_sampled_s=2e-4,
+    )  # fmt: skip
+    samples = [
+        Sample(layers, last, batch, LinearStageCost(layers, last, truth).seconds(batch))
+        for layers, last in ((30, True), (15, False), (15, True))
+        for batch in map(grid_batch, DECODE_GRID + PREFILL_GRID)
+    ]
+    fitted, errors = fit(samples)
+    assert max(abs(e) for e in errors) < 1e-6
+    for name, value in vars(truth).items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-4), name
+
+
+def test_no_coefficient_is_negative():
+    """Times that fall with more work (noise) must not give a negative term."""
+    samples = [
+        Sample(4, True, grid_batch([(0, tokens)]), seconds)
+        for tokens, seconds in ((1, 0.010), (64, 0.009), (128, 0.020))
+    ]
+    fitted, _ = fit(samples)
+    assert min(vars(fitted).values()) >= 0
+
+
+def test_profile_command_writes_a_loadable_profile(tmp_path, capsys):
+    model = make_tiny_checkpoint(tmp_path / "tiny")
+    output = tmp_path / "profile.json"
+    args = build_parser().parse_args(
+        ["profile", str(model), "--output", str(output), "--repeats", "1"]
+    )
+    args.func(args)
+    assert "fit error: mean" in capsys.readouterr().out
+    profile = load_profile(output)
+    assert profile.cost_model == "linear" and profile.link.dispatch_s > 0
+    data = json.loads(output.read_text())
+    points = grid(512)  # the tiny model's context leaves out the longest grid points
+    assert 0 < len(points) < len(DECODE_GRID + PREFILL_GRID)
+    assert len(data["fit"]["samples"]) == 3 * len(points)  # every stage of P=1 and P=2
