@@ -13,10 +13,12 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pipellm.loader.source import ModelSource, load_model_config, resolve_model
+from pipellm.loader.weights import check_gguf_tensor_parallel
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
 from pipellm.model.stage_spec import StageSpec, stage_specs
+from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
 
 DTYPES = {
     "float32": torch.float32,
@@ -69,6 +71,12 @@ class EngineConfig:
     # Balanced pipelines: most tokens in one micro-batch. Small micro-batches fill and drain
     # the pipeline quickly, so a stage idles for less time (docs/pipeline.md).
     pp_microbatch_tokens: int = 128
+    # Chunked pipeline parallelism: a prompt's next chunk enters a micro-batch while its earlier
+    # chunks are still in flight, so one long prompt fills every stage (docs/pipeline.md).
+    enable_chunked_pipeline: bool = True
+    # fixed: prompt chunks of the token budget; cost: sized by a fitted chunk-cost model so
+    # that chunks deep into a long prompt shrink and all cost about the same (chunk_cost.py).
+    pp_chunk_sizing: str = "fixed"
     num_threads: int | None = None  # torch threads per stage; default: cores divided by stages
     max_cudagraph_capture_size: int | None = None
     trust_remote_code: bool = False
@@ -90,8 +98,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 _fail(name, value, "use a positive integer")
-        if self.tensor_parallel_size != 1:
-            _fail("tensor_parallel_size", self.tensor_parallel_size, "only 1 is supported yet")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"use one of auto, {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
@@ -101,7 +107,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             _fail("kv_cache_dtype", self.kv_cache_dtype, f"use auto or one of {', '.join(DTYPES)}")
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.pipeline_parallel_size == 1 else "mp"
+            single = self.pipeline_parallel_size == 1 and self.tensor_parallel_size == 1
+            self.distributed_executor_backend = "uni" if single else "mp"
         if self.distributed_executor_backend not in BACKENDS:
             _fail(
                 "distributed_executor_backend",
@@ -112,10 +119,21 @@ class EngineConfig:
             _fail("distributed_executor_backend", "ray", "install Ray: pip install 'pipellm[ray]'")
         if self.distributed_executor_backend == "uni" and self.pipeline_parallel_size > 1:
             _fail("distributed_executor_backend", "uni", "pipeline stages need mp, ray or sim")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend != "mp":
+            # NOTE: the Ray backend places one actor per stage; its TP ranks are not wired yet.
+            _fail(
+                "distributed_executor_backend",
+                self.distributed_executor_backend,
+                "tensor_parallel_size > 1 runs one process per rank, with the mp backend only "
+                "so far: use mp",
+            )
+        self._check_cores()
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             _fail("kv_cache_memory", self.kv_cache_memory, "use a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use a value in (0, 1]")
+        if self.pp_chunk_sizing not in ("fixed", "cost"):
+            _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
         if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
             _fail("pp_microbatch_tokens", self.pp_microbatch_tokens, "use a positive integer")
         if self.num_threads is not None and self.num_threads <= 0:
@@ -200,6 +218,7 @@ class EngineConfig:
                 f"model {self.source.path}: its rope_scaling type {kind!r} is not supported; "
                 f"pipellm supports {', '.join(ROPE_TYPES)}"
             )
+        self._check_tensor_parallel()
         layers = self.model_config.num_hidden_layers
         if self.pipeline_parallel_size > layers:
             _fail(
@@ -211,6 +230,33 @@ class EngineConfig:
             self.stage(0)  # a bad layer partition fails here, before any stage starts
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+    def _check_cores(self) -> None:
+        """T x P processes, each with its own threads: more of them than cores would make
+        the tensor-parallel ranks wait on each other's time slices at every all-reduce."""
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        cores = os.cpu_count() or 1
+        if self.tensor_parallel_size > 1 and ranks > cores and self.num_threads is None:
+            _fail(
+                "tensor_parallel_size",
+                self.tensor_parallel_size,
+                f"{self.tensor_parallel_size} x {self.pipeline_parallel_size} stages = {ranks} "
+                f"processes, more than the {cores} cores; use fewer, or set num_threads "
+                "(--num-threads 1) to run them anyway",
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        """The model must split T ways (heads, MLP, vocabulary), and a GGUF file's row-parallel
+        weights on their blocks' boundaries: checked here, before any process starts."""
+        size = self.tensor_parallel_size
+        if size == 1:
+            return
+        try:
+            plans = [plan_tensor_parallel(self.model_config, size, r) for r in range(size)]
+            if self.source.kind == "gguf" and self.load_format != "dummy":
+                check_gguf_tensor_parallel(self.source, plans)
+        except TensorParallelError as error:
+            raise ConfigError(f"invalid setting {error}") from None
 
     # ---- derived settings ------------------------------------------------------------------
 
@@ -228,7 +274,8 @@ class EngineConfig:
     def threads_per_stage(self) -> int:
         if self.num_threads is not None:
             return self.num_threads
-        return max(1, (os.cpu_count() or 1) // self.pipeline_parallel_size)
+        ranks = self.pipeline_parallel_size * self.tensor_parallel_size
+        return max(1, (os.cpu_count() or 1) // ranks)
 
     def stage(self, index: int) -> StageSpec:
         """Pipeline stage `index`: its layers and its first/last role."""

@@ -58,9 +58,8 @@ class LLM:
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, ids, params)
                 text = prompt if isinstance(prompt, str) else None
-                results[request_id] = RequestOutput(
-                    request_id, text, ids, [CompletionOutput(0, "", [])]
-                )
+                samples = [CompletionOutput(i, "", []) for i in range(params.n)]
+                results[request_id] = RequestOutput(request_id, text, ids, samples)
         except BaseException:
             for request_id in results:  # a bad prompt cancels the whole call
                 self.engine.abort_request(request_id)
@@ -74,7 +73,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     result = results[out.request_id]
-                    completion = result.outputs[0]
+                    completion = result.outputs[out.index]
                     completion.text += out.new_text
                     completion.token_ids.extend(out.new_token_ids)
                     if out.prompt_logprobs is not None:
@@ -82,10 +81,11 @@ class LLM:
                     if out.new_logprobs:
                         completion.logprobs = (completion.logprobs or []) + out.new_logprobs
                     if out.finished:
-                        result.finished = True
-                        result.num_cached_tokens = out.num_cached_tokens
                         completion.finish_reason = out.finish_reason
                         completion.stop_reason = out.stop_reason
+                    if out.request_finished:
+                        result.finished = True
+                        result.num_cached_tokens = out.num_cached_tokens
                         progress.update(1)
         except BaseException:
             for request_id, result in results.items():

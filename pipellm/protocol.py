@@ -65,6 +65,8 @@ class ModelOutput:
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
     # Per stage: (start, end) wall-clock times of this micro-batch's compute (time.time()).
     stage_times: list[tuple[float, float]] = field(default_factory=list)
+    # Sampled requests whose sampling raised, by index in sampled_token_ids: why, in one line.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,14 +76,19 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finished: bool  # this sample is done
+    index: int = 0  # which of the request's n samples
+    request_finished: bool = False  # all n samples are done: the request's last output
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     new_logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # With prompt_logprobs, on a request's first output: one per prompt token, the first None.
     prompt_logprobs: list[Logprobs | None] | None = None
+    # Set with finish_reason "error": this request failed inside the engine (one line, no
+    # traceback; the engine's log has it); the other requests carry on.
+    error: str | None = None
 
 
 @dataclass

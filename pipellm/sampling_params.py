@@ -48,7 +48,7 @@ class SamplingParams:
         self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
         self.bad_words = [w for w in (self.bad_words or []) if w.strip()]
         checks = [
-            (self.n == 1, "n", self.n, "only n=1 is supported; send several requests instead"),
+            (1 <= self.n <= 128, "n", self.n, "use a value in [1, 128]"),
             (self.temperature >= 0, "temperature", self.temperature, "use a value >= 0"),
             (0 < self.top_p <= 1, "top_p", self.top_p, "use a value in (0, 1]"),
             (self.top_k >= 0, "top_k", self.top_k, "use a positive value, or 0/-1 for off"),
@@ -116,6 +116,13 @@ class SamplingParams:
             or self.bad_words_token_ids
             or (self.min_tokens > 0 and self.all_stop_token_ids)
         )
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """One of n parallel samples' settings: n=1, and seed + index as vLLM's parallel
+        sampling gives each child (vllm/v1/engine/parallel_sampling.py), so the n samples
+        differ yet each is reproducible."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
 
     def resolve(
         self, eos_token_ids: tuple[int, ...], encode: Callable[[str], list[int]], vocab_size: int

@@ -62,6 +62,7 @@ def make_tiny_checkpoint(
     num_layers: int = 4,
     seed: int = 0,
     max_shard_size: str | None = None,
+    num_kv_heads: int = 2,
 ) -> Path:
     """Write a tiny seeded Hugging Face checkpoint into `directory` and return it.
 
@@ -70,7 +71,8 @@ def make_tiny_checkpoint(
     max_position_embeddings 512, vocabulary = the tiny tokenizer's (300 tokens). Every weight,
     biases and norms included, is random (std 0.1) so that logits are decisive and a wrongly
     loaded tensor shows. max_shard_size (e.g. "20KB") splits the weights into several
-    .safetensors files with model.safetensors.index.json. The folder also holds tokenizer.json
+    .safetensors files with model.safetensors.index.json; num_kv_heads=1 makes KV heads fewer
+    than two tensor-parallel ranks. The folder also holds tokenizer.json
     and tokenizer_config.json (ChatML template, bos <|im_start|>, eos <|im_end|>).
     """
     directory = Path(directory)
@@ -81,7 +83,7 @@ def make_tiny_checkpoint(
         intermediate_size=128,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,

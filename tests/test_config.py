@@ -37,6 +37,7 @@ def tiny(tmp_path_factory):
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "without chunked"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5"),
         (dict(pp_microbatch_tokens=0), "pp_microbatch_tokens=0"),
+        (dict(pp_chunk_sizing="even"), "pp_chunk_sizing='even'"),
         (dict(quantization="awq"), "quantization='awq'"),
         (dict(quantization="gguf"), "needs a .gguf model"),
     ],

@@ -4,6 +4,7 @@ their users and no two packages import each other. Every import counts, lazy one
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pipellm
@@ -15,6 +16,7 @@ LAYERS = [
     "sampling_params",  # what a user asks for
     "protocol",  # the messages between engine, executors and stages
     "kernels",  # C++ CPU kernels
+    "parallel",  # tensor-parallel collectives: shared memory on one host, gloo across
     "model",  # nn modules
     "loader",  # where a model and its weights come from
     "text",  # tokenizer, detokenizer
@@ -27,7 +29,33 @@ LAYERS = [
     "pipellm",  # the package's public names
     "bench",  # benchmarks
     "entrypoints",  # CLI and servers
+    "bench scripts",  # runnable benchmarks (python -m pipellm.bench.NAME): leaves, they drive all
 ]
+
+
+def _is_script(path: Path) -> bool:
+    return '__name__ == "__main__"' in path.read_text()
+
+
+def unit_of_module(module: str) -> str | None:
+    """Like unit_of, but a benchmark script of pipellm/bench that no other package imports is
+    its own unit at the top: it may drive the CLI, which itself uses the bench library."""
+    unit = unit_of(module)
+    if unit == "bench" and module in bench_scripts():
+        return "bench scripts"
+    return unit
+
+
+@functools.cache
+def bench_scripts() -> frozenset[str]:
+    runnable = {module_name(p) for p in (ROOT / "bench").glob("*.py") if _is_script(p)}
+    used_outside = {
+        name
+        for path in ROOT.rglob("*.py")
+        if unit_of(module_name(path)) != "bench"
+        for name in imported_modules(path)
+    }
+    return frozenset(runnable - used_outside)
 
 
 def unit_of(module: str) -> str | None:
@@ -71,9 +99,9 @@ def unit_graph() -> dict[str, dict[str, list[str]]]:
     """unit -> {imported unit: [modules of the importing unit that import it]}."""
     graph: dict[str, dict[str, list[str]]] = {}
     for path in sorted(ROOT.rglob("*.py")):
-        source = unit_of(module_name(path))
+        source = unit_of_module(module_name(path))
         for name in imported_modules(path):
-            target = unit_of(name)
+            target = unit_of_module(name)
             if target is not None and target != source:
                 graph.setdefault(source, {}).setdefault(target, []).append(module_name(path))
     return graph
@@ -126,3 +154,11 @@ def test_the_check_sees_upward_and_lazy_imports(tmp_path: Path) -> None:
     )
     found = imported_modules(module, tmp_path / "pipellm")
     assert {unit_of(name) for name in found} == {"engine", "executor"}
+
+
+def test_bench_scripts_are_told_from_the_bench_library() -> None:
+    """`pipellm bench serve`'s modules sit beneath the CLI; the scripts driving it sit above."""
+    assert "pipellm.bench.sim_fidelity" in bench_scripts()
+    assert "pipellm.bench.pp_scaling" in bench_scripts()
+    assert "pipellm.bench.serve" not in bench_scripts()
+    assert "pipellm.bench.datasets" not in bench_scripts()

@@ -301,6 +301,25 @@ def test_echo_gives_the_prompts_logprobs(client, checkpoint, tokenizer, model):
     assert got == pytest.approx(want, abs=1e-4)
 
 
+def test_n_parallel_samples(client, model):
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=11, n=3)
+    out = client.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.completion_tokens == 15 and len({c.text for c in out.choices}) > 1
+    assert [c.text for c in client.completions.create(**kwargs).choices] == [
+        c.text for c in out.choices
+    ]
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        n=2,
+        stream=True,
+    )
+    finished = sorted(c.choices[0].index for c in stream if c.choices[0].finish_reason)
+    assert finished == [0, 1]
+
+
 def test_metrics_exposition(server, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=3)
     values = scrape(server)
@@ -429,7 +448,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": ""}, 400, "empty"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "one prompt per request"),
     (COMPLETIONS, {"prompt": {"text": "hi"}}, 400, "prompt: give text, a list of token ids"),
-    (COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n=2"),
+    (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n=0"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "echo": True, "stream": True}, 400, "echo"),

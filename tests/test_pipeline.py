@@ -63,11 +63,14 @@ class RecordingExecutor(Executor):
         self.num_stages = num_stages
         self.core: EngineCore | None = None
         self.depths: list[int] = []
-        self.overlaps: list[set[str]] = []
+        self.overlaps: list[set[str]] = []  # requests already in an in-flight micro-batch
+        self.sampling_overlaps: list[set[str]] = []  # ... in one whose chunk samples
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
-        in_flight = {r.request_id for out, _ in self.core.in_flight for r in out.requests}
-        self.overlaps.append(in_flight & {r.request_id for r in scheduler_output.requests})
+        in_flight = [r for out, _ in self.core.in_flight for r in out.requests]
+        ids = {r.request_id for r in scheduler_output.requests}
+        self.overlaps.append({r.request_id for r in in_flight} & ids)
+        self.sampling_overlaps.append({r.request_id for r in in_flight if r.sample} & ids)
         self.depths.append(len(self.core.in_flight) + 1)
         future: Future[ModelOutput] = Future()
         future.set_result(
@@ -82,7 +85,9 @@ class RecordingExecutor(Executor):
         pass
 
 
-def run_with_recorder(directory, stages: int, balance: bool, prompt_len: int, num: int):
+def run_with_recorder(
+    directory, stages: int, balance: bool, prompt_len: int, num: int, chunked_pipeline=True
+):
     config = EngineConfig(
         model=str(directory),
         max_num_seqs=8,
@@ -90,6 +95,7 @@ def run_with_recorder(directory, stages: int, balance: bool, prompt_len: int, nu
         pp_balance=balance,
         pipeline_parallel_size=stages,
         distributed_executor_backend="mp",
+        enable_chunked_pipeline=chunked_pipeline,
     )
     recorder = RecordingExecutor(stages)
     core = EngineCore(config, executor=recorder)
@@ -107,9 +113,25 @@ def run_with_recorder(directory, stages: int, balance: bool, prompt_len: int, nu
 
 def test_queue_fills_to_the_pipeline_depth_and_requests_never_overlap(tmp_path):
     directory = make_tiny_checkpoint(tmp_path / "m")
-    recorder = run_with_recorder(directory, stages=4, balance=True, prompt_len=40, num=32)
+    recorder = run_with_recorder(
+        directory, stages=4, balance=True, prompt_len=40, num=32, chunked_pipeline=False
+    )
     assert max(recorder.depths) == 4
     assert not any(recorder.overlaps), "a request was in two in-flight micro-batches"
+
+
+def test_one_long_prompt_is_in_every_in_flight_micro_batch_never_two_sampling(tmp_path):
+    """The chunked pipeline: a lone prompt's chunks fill all four micro-batches in flight, and
+    none joins one while its sampling chunk (or a decode) is out."""
+    directory = make_tiny_checkpoint(tmp_path / "m")
+    recorder = run_with_recorder(directory, stages=4, balance=True, prompt_len=400, num=1)
+    assert max(recorder.depths) == 4
+    assert max(len(o) for o in recorder.overlaps) == 1
+    assert sum(bool(o) for o in recorder.overlaps) >= 3
+    assert not any(recorder.sampling_overlaps)
+    assert recorder.core.pipeline_stats.summary()["max_micro_batches_per_request"] == 4
+    busy = run_with_recorder(directory, stages=4, balance=True, prompt_len=40, num=32)
+    assert max(busy.depths) == 4 and not any(busy.sampling_overlaps)
 
 
 def test_without_balancing_the_seed_workload_never_overlaps_micro_batches(tmp_path):

@@ -34,6 +34,7 @@ def test_ray_stages_match_and_a_killed_actor_is_a_clear_error(tmp_path, reaped, 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     directory = str(make_tiny_checkpoint(tmp_path / "m", num_layers=6))
     prompts = [[3 + (i * 5 + j) % 290 for j in range(6 + 7 * i)] for i in range(6)]
+    prompts.append([5 + j % 200 for j in range(300)])  # chunks of it in flight at once
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with LLM(directory) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

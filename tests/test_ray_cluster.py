@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from pipellm.config import EngineConfig
 from pipellm.executor.ray_cluster import stage_order
+from pipellm.executor.ray_executor import _clock_offset
 from pipellm.executor.ray_stage import config_for_this_host
 from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset
 from pipellm.loader.source import ModelNotFoundError
@@ -50,3 +52,13 @@ def test_the_builtin_model_is_found_in_each_hosts_own_package():
     config = EngineConfig()
     config.source = replace(config.source, path=Path("/elsewhere/model.gguf"))
     assert config_for_this_host(config, "10.9.9.9").source.path.exists()
+
+
+def test_a_stage_clock_offset_is_measured_across_the_round_trip():
+    def remote_clock() -> float:  # a host 5 s ahead, 2 ms away each way
+        time.sleep(0.002)
+        reading = time.time() + 5.0
+        time.sleep(0.002)
+        return reading
+
+    assert _clock_offset(remote_clock) == pytest.approx(5.0, abs=0.002)

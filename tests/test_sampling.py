@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
+from pipellm.engine.output_processor import TextState
 from pipellm.engine.request import Request
+from pipellm.model import sampler
 from pipellm.model.sampler import sample
 from tests.checkpoints import make_tiny_checkpoint
 
@@ -47,9 +49,30 @@ def test_seeded_sampling_is_reproducible():
     assert a == b and a != c
 
 
+@pytest.mark.parametrize("seed", [2**63 - 1, 2**64, 2**70, -1, -(2**80), 10**100])
+def test_any_integer_seed_samples_reproducibly(seed):
+    # seed * 1_000_003 + position overflowed torch's 64-bit seed and killed the stage.
+    logits = torch.randn(1000).tolist()
+    a = draw(logits, SamplingParams(temperature=1.0, seed=seed), 20)
+    assert a == draw(logits, SamplingParams(temperature=1.0, seed=seed), 20)
+    assert a != draw(logits, SamplingParams(temperature=1.0, seed=seed + 1), 20)
+
+
+def test_a_row_whose_sampling_fails_fails_alone():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 3)
+    # More top logprobs than the vocabulary has: topk raises, for row 1 only.
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=9)] * 2
+    tokens, logprobs, failed = sample(logits, params[:3], [0, 0, 0], GENERATOR)
+    assert list(failed) == [1] and "RuntimeError" in failed[1]
+    assert tokens[0] == tokens[2] == 1 and logprobs[0] is None
+
+
 def test_logprobs_are_log_softmax_of_the_logits():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
-    tokens, logprobs = sample(logits, [SamplingParams(temperature=0, logprobs=2)], [0], GENERATOR)
+    tokens, logprobs, failed = sample(
+        logits, [SamplingParams(temperature=0, logprobs=2)], [0], GENERATOR
+    )
+    assert failed == {}
     expected = logits.log_softmax(-1)[0]
     sampled_logprob, top = logprobs[0]
     assert tokens == [1]
@@ -64,7 +87,7 @@ def test_sampling_params_reject_bad_values():
         dict(top_p=0),
         dict(top_k=-3),
         dict(max_tokens=0),
-        dict(n=2),
+        dict(n=0),
         dict(min_p=2),
         dict(logprobs=50),
     ):
@@ -135,3 +158,31 @@ def test_logprobs_flow_through_the_engine(llm):
     for token, (logprob, top) in zip(out.token_ids, out.logprobs, strict=True):
         assert top[0][0] == token and top[0][1] == pytest.approx(logprob)
         assert len(top) == 3
+
+
+def test_a_request_failing_in_sampling_or_detokenizing_fails_alone(llm, monkeypatch):
+    """Each failure ends its own request with finish_reason "error"; the others finish and
+    the engine serves the next call."""
+    real_random_token, real_push = sampler._random_token, TextState.push
+
+    def random_token(logits, params, position, generator):
+        if params.seed == 666:
+            raise RuntimeError("injected sampling failure")
+        return real_random_token(logits, params, position, generator)
+
+    def push(self, token_id, finished):
+        if "injected" in self.params.stop:
+            raise RuntimeError("injected detokenizing failure")
+        return real_push(self, token_id, finished)
+
+    monkeypatch.setattr(sampler, "_random_token", random_token)
+    monkeypatch.setattr(TextState, "push", push)
+    ok = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    bad_sample = SamplingParams(temperature=1.0, seed=666, max_tokens=6, ignore_eos=True)
+    bad_text = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=["injected"])
+    outs = llm.generate([[5, 6, 7]] * 4, [ok, bad_sample, bad_text, ok], use_tqdm=False)
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert reasons == ["length", "error", "error", "length"]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 0, 0, 6]
+    again = llm.generate([[5, 6, 7]], ok, use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == outs[0].outputs[0].token_ids

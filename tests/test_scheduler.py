@@ -134,8 +134,13 @@ def test_newest_running_request_is_preempted_first():
     assert old.num_preemptions == 0 and new.num_preemptions > 0
 
 
-def test_a_request_is_in_at_most_one_in_flight_micro_batch():
-    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, num_stages=4)
+def test_without_the_chunked_pipeline_a_request_is_in_one_in_flight_micro_batch():
+    scheduler = make_scheduler(
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_stages=4,
+        enable_chunked_pipeline=False,
+    )
     for i in range(16):
         add(scheduler, str(i), prompt_len=10 + i, max_tokens=5)
     max_depth = 0
@@ -213,9 +218,9 @@ def test_balanced_micro_batches_are_capped_when_the_pipeline_can_be_full():
 
 
 def test_balancing_does_not_cut_a_lone_remainder_into_round_trips():
-    """Near the end of a burst, one prompt's remainder plus decodes: the remainder goes in
-    one micro-batch rather than being halved again and again."""
-    scheduler = two_stage_scheduler(pp_microbatch_tokens=512)
+    """Without the chunked pipeline, near the end of a burst, one prompt's remainder plus
+    decodes: the remainder goes in one micro-batch rather than being halved again and again."""
+    scheduler = two_stage_scheduler(pp_microbatch_tokens=512, enable_chunked_pipeline=False)
     for i in range(4):
         add(scheduler, str(i), prompt_len=20, max_tokens=50)
     add(scheduler, "long", prompt_len=900, max_tokens=2)
@@ -228,15 +233,19 @@ def test_balancing_does_not_cut_a_lone_remainder_into_round_trips():
     assert chunks[:2] == [512, 388], chunks
 
 
-def test_balancing_does_not_split_a_lone_prompt_even_under_the_cap():
-    scheduler = two_stage_scheduler(pp_microbatch_tokens=100)
+def test_without_the_chunked_pipeline_a_lone_prompt_is_not_split_even_under_the_cap():
+    scheduler = two_stage_scheduler(pp_microbatch_tokens=100, enable_chunked_pipeline=False)
     add(scheduler, "only", prompt_len=1000, max_tokens=4)
     assert scheduler.schedule().num_tokens == 1000
 
 
-def test_balancing_does_not_split_a_lone_prompt():
+def test_without_the_chunked_pipeline_a_lone_prompt_is_not_split():
     scheduler = make_scheduler(
-        max_num_batched_tokens=4096, max_model_len=2048, num_stages=2, num_blocks=256
+        max_num_batched_tokens=4096,
+        max_model_len=2048,
+        num_stages=2,
+        num_blocks=256,
+        enable_chunked_pipeline=False,
     )
     add(scheduler, "only", prompt_len=1000, max_tokens=4)
     assert scheduler.schedule().num_tokens == 1000

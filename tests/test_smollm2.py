@@ -29,13 +29,22 @@ def test_answers_the_capital_of_france(single_stage):
     assert answer[0].outputs[0].finish_reason == "stop", "the model ends its turn"
 
 
-def test_two_stages_give_the_same_tokens(single_stage, reaped):
-    expected = [o.outputs[0].token_ids for o in single_stage.generate(PROMPTS, GREEDY)]
-    for balance in (True, False):
-        with LLM(pipeline_parallel_size=2, pp_balance=balance) as llm:
-            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+def test_two_and_three_stages_give_the_same_tokens(single_stage, reaped):
+    """Balanced with the chunked pipeline (a 150-odd-token prompt cut into chunks of 37, none
+    a multiple of the 16-token block, several in flight at once), and the unbalanced pipeline
+    (--no-pp-balance: the whole batch in one micro-batch, vLLM issue #27462) without it."""
+    prompts = PROMPTS + [" ".join(f"item {i} of the list;" for i in range(30))]
+    expected = [o.outputs[0].token_ids for o in single_stage.generate(prompts, GREEDY)]
+    for stages, balance, chunked in ((2, True, True), (3, True, True), (2, False, False)):
+        with LLM(
+            pipeline_parallel_size=stages,
+            pp_balance=balance,
+            enable_chunked_pipeline=chunked,
+            pp_microbatch_tokens=37,
+        ) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
             answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))
-        assert got == expected
+        assert got == expected, (stages, balance, chunked)
         assert "Paris" in answer[0].outputs[0].text
 
 
@@ -65,7 +74,9 @@ def test_weights_taken_quantized_are_never_dequantized(monkeypatch):
         pytest.skip("CPU kernels unavailable: the float32 path runs")
     dequantized = []
     real = weights._dequantize
-    monkeypatch.setattr(weights, "_dequantize", lambda t: dequantized.append(t.name) or real(t))
+    monkeypatch.setattr(
+        weights, "_dequantize", lambda t, *rest: dequantized.append(t.name) or real(t, *rest)
+    )
     with LLM(max_num_seqs=1, max_model_len=256, kv_cache_memory=1 << 24) as llm:
         answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in answer[0].outputs[0].text

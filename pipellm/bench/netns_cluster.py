@@ -40,10 +40,12 @@ def unavailable_reason() -> str | None:
 
 
 class TwoHostCluster:
-    """`with TwoHostCluster(num_cpus=1) as cluster:` two Ray hosts; `cluster.run(...)` runs a
-    driver on the first host, with RAY_ADDRESS (and token auth) set to join the cluster."""
+    """`with TwoHostCluster(num_cpus=1) as cluster:` two Ray hosts; `cluster.exec(0, ...)` runs
+    a command on the first host (with `driver_env()`, a Ray driver there joins the cluster).
+    `ray=False` builds the two hosts' network only."""
 
-    def __init__(self, num_cpus: int = 1) -> None:
+    def __init__(self, num_cpus: int = 1, ray: bool = True) -> None:
+        self.ray = ray
         tag = f"{os.getpid() % 100000}"
         self.namespaces = [f"pipellm-h0-{tag}", f"pipellm-h1-{tag}"]
         self.interfaces = [f"plv{tag}a", f"plv{tag}b"]  # interface names: 15 chars at most
@@ -60,7 +62,8 @@ class TwoHostCluster:
     def __enter__(self) -> TwoHostCluster:
         try:
             self._make_network()
-            self._start_ray()
+            if self.ray:
+                self._start_ray()
         except BaseException:
             self.close()
             raise

@@ -22,17 +22,23 @@ from pipellm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 10.0
+REAP_TIMEOUT_S = 30.0  # the core reaps its stages (SHUTDOWN_TIMEOUT_S at most) before exiting
 
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone or failed; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (a bug it met); the engine serves on."""
+
+
 class AsyncEngineClient:
     """Create inside the running event loop that will call it; the core must be ready."""
 
-    def __init__(self, core: CoreProcess) -> None:
+    def __init__(self, core: CoreProcess, on_dead: Callable[[], None] = lambda: None) -> None:
         self.core = core
+        self._on_dead = on_dead  # called on the loop once the core is dead (not on close)
         self._loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
@@ -53,7 +59,8 @@ class AsyncEngineClient:
     ) -> AsyncIterator[EngineOutput]:
         """Yields the request's outputs as the engine makes them; aborts it if left early.
 
-        Raises ValueError if the engine rejects the request, EngineDeadError if it dies.
+        Raises ValueError if the engine rejects the request, RequestFailedError if it fails
+        this request, EngineDeadError if it dies.
         """
         self._check_alive()
         if request_id in self._queues:
@@ -68,7 +75,9 @@ class AsyncEngineClient:
                 if isinstance(item, BaseException):
                     finished = True  # nothing left to abort
                     raise item
-                finished = item.finished
+                finished = item.request_finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
         finally:
             del self._queues[request_id]
@@ -135,6 +144,10 @@ class AsyncEngineClient:
             else:
                 reason = _exit_reason(process)
         self._deliver(self._fail_all, reason)
+        # Reap the core (it exits after saying DEAD), so no zombie waits for the server's exit.
+        process.join(REAP_TIMEOUT_S)
+        if not self._closing:
+            logger.info("engine core (pid %s) exited with code %s", process.pid, process.exitcode)
 
     def _deliver(self, callback: Callable[..., None], *args: object) -> bool:
         """Runs callback(*args) on the event loop; False once the loop is gone."""
@@ -165,6 +178,7 @@ class AsyncEngineClient:
         self.dead_reason = reason
         if not self._closing:
             logger.error("engine core is dead; failing %d requests: %s", len(self._queues), reason)
+            self._on_dead()
         for outputs in self._queues.values():
             outputs.put_nowait(EngineDeadError(reason))
         for reply in self._stats_waiters.values():

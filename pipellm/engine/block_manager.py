@@ -110,8 +110,10 @@ class BlockManager:
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Registers the request's blocks that `num_tokens` computed tokens fill completely.
 
-        Called when a chunk is scheduled: stages run micro-batches in order, so a later
-        micro-batch that hits these blocks reads them after they are written.
+        Called when a chunk's micro-batch has passed every stage, so the blocks' KV is written
+        everywhere before any other request can be given them. (Stages run micro-batches in
+        order, so registering at schedule time would also be safe; at return it stays safe
+        whatever a backend does with order, and a hit comes one micro-batch later.)
         """
         if not self.enable_prefix_caching:
             return

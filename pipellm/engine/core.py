@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.chunk_cost import CPU_ATTENTION_SLOWDOWN, ChunkCostModel
 from pipellm.engine.output_processor import TextState
 from pipellm.engine.pipeline_stats import PipelineStats
 from pipellm.engine.prompt_check import check_prompt
@@ -31,6 +32,21 @@ logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
 STATS_WINDOW_S = 60.0  # stats().pipeline (and /metrics' busy gauge) cover this recent window
+
+
+def chunk_cost_model(config: EngineConfig) -> ChunkCostModel | None:
+    """`--pp-chunk-sizing cost`: the model fitted for this hardware, or the sim backend's."""
+    if config.pp_chunk_sizing != "cost":
+        return None
+    slowdown = CPU_ATTENTION_SLOWDOWN
+    if config.distributed_executor_backend == "sim":
+        from pipellm.executor.sim import profile_for
+
+        hardware = profile_for(config).hardware  # None for fitted-coefficient profiles
+        slowdown = 1.0
+        if hardware is not None and hardware.attention_flops_per_s:
+            slowdown = hardware.flops_per_s / hardware.attention_flops_per_s
+    return ChunkCostModel.for_model(config.model_config, slowdown)
 
 
 class EngineCore:
@@ -66,6 +82,8 @@ class EngineCore:
                 num_stages=config.pipeline_parallel_size,
                 pp_balance=config.pp_balance,
                 pp_microbatch_tokens=config.pp_microbatch_tokens,
+                enable_chunked_pipeline=config.enable_chunked_pipeline,
+                chunk_cost=chunk_cost_model(config),
             ),
             self.block_manager,
         )
@@ -73,6 +91,7 @@ class EngineCore:
         self.num_stages = config.pipeline_parallel_size  # P: micro-batches kept in flight
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         self.texts: dict[str, TextState] = {}
+        self.samples: dict[str, list[str]] = {}  # request id -> its unfinished samples' ids
         self.pipeline_stats = PipelineStats(self.num_stages, clock=clock)
         self._last_log = clock()
         self.num_prompt_tokens = 0  # counters for metrics: prompt tokens admitted
@@ -90,14 +109,42 @@ class EngineCore:
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             vocab,
         )
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids)
-        self.scheduler.add_request(request)
+        if request_id in self.samples:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n == 1:
+            requests = [Request(request_id, prompt_token_ids, params, self.eos_token_ids)]
+        else:
+            # n parallel samples, named as vLLM names them; all but the first fork its prompt.
+            first = None
+            requests = []
+            for index in range(params.n):
+                request = Request(
+                    f"{index}_{request_id}",
+                    prompt_token_ids,
+                    params.for_sample(index),
+                    self.eos_token_ids,
+                    parent_id=request_id,
+                    index=index,
+                    fork_from=first,
+                )
+                first = first or request
+                requests.append(request)
+        # Text states first: making one may fail, and then nothing has been added yet.
+        texts = {
+            r.request_id: TextState(self.tokenizer, prompt_token_ids, r.sampling_params)
+            for r in requests
+        }
+        for request in requests:
+            self.scheduler.add_request(request)
+        self.texts.update(texts)
+        self.samples[request_id] = [r.request_id for r in requests]
         self.num_prompt_tokens += len(prompt_token_ids)
-        self.texts[request_id] = TextState(self.tokenizer, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.stop_request(request_id, "abort")
-        self.texts.pop(request_id, None)
+        """Aborts a request (all of its samples, for n > 1)."""
+        for sample_id in self.samples.pop(request_id, []):
+            self.scheduler.stop_request(sample_id, "abort")
+            self.texts.pop(sample_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -110,11 +157,16 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is None:
                 break
+            requests = self.scheduler.requests
             self.pipeline_stats.on_submit(
                 scheduler_output.micro_batch_id,
                 len(scheduler_output.requests),
                 scheduler_output.num_tokens,
                 len(self.in_flight) + 1,
+                spread=max(
+                    (requests[r.request_id].num_in_flight for r in scheduler_output.requests),
+                    default=1,
+                ),
             )
             self.in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
         if not self.in_flight:
@@ -166,16 +218,36 @@ class EngineCore:
     ) -> list[EngineOutput]:
         outputs = []
         for update in self.scheduler.update_from_output(scheduler_output, model_output):
-            self.num_generation_tokens += 1
             request = update.request
+            if update.error is not None:
+                outputs.append(self._failed(request, update.error))
+                continue
+            self.num_generation_tokens += 1
             text = self.texts[request.request_id]
-            delta, stop_string = text.push(update.token_id, update.finished)
+            try:
+                delta, stop_string = text.push(update.token_id, update.finished)
+            except Exception as error:  # fail this request only; the log keeps the traceback
+                logger.exception("detokenizing request %s failed", request.request_id)
+                self.scheduler.stop_request(request.request_id, "error")
+                outputs.append(
+                    self._failed(request, f"detokenizing failed: {type(error).__name__}")
+                )
+                continue
             if stop_string is not None and not update.finished:
                 self.scheduler.stop_request(request.request_id, "stop", stop_string)
             finished = request.is_finished
+            request_finished = False
+            if finished:
+                samples = self.samples[request.parent_id]
+                samples.remove(request.request_id)
+                request_finished = not samples
+                if request_finished:
+                    del self.samples[request.parent_id]
             outputs.append(
                 EngineOutput(
-                    request_id=request.request_id,
+                    request_id=request.parent_id,
+                    index=request.index,
+                    request_finished=request_finished,
                     new_token_ids=[update.token_id],
                     new_text=delta,
                     finished=finished,
@@ -192,6 +264,26 @@ class EngineCore:
             if finished:
                 del self.texts[request.request_id]
         return outputs
+
+    def _failed(self, request: Request, error: str) -> EngineOutput:
+        """The last output of a request that failed inside the engine; for n > 1 the failure
+        ends the whole request, so its other samples are aborted."""
+        self.texts.pop(request.request_id, None)
+        for sample_id in self.samples.pop(request.parent_id, []):
+            if sample_id != request.request_id:
+                self.scheduler.stop_request(sample_id, "abort")
+                self.texts.pop(sample_id, None)
+        return EngineOutput(
+            request_id=request.parent_id,
+            index=request.index,
+            request_finished=True,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=request.num_prompt_tokens,
+            error=error,
+        )
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -26,6 +26,7 @@ from typing import Any
 
 from pipellm.config import EngineConfig
 from pipellm.engine.core import EngineCore
+from pipellm.protocol import EngineOutput
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +192,10 @@ def _handle(core: EngineCore, conn: Connection, message: Message) -> bool:
             core.add_request(request_id, prompt_token_ids, params)
         except ValueError as error:
             conn.send((REJECTED, request_id, str(error)))
+        except Exception as error:  # a bug met by this request: fail it, keep serving
+            logger.exception("adding request %s failed", request_id)
+            failed = EngineOutput(request_id, [], "", True, "error", error=type(error).__name__)
+            conn.send((OUTPUTS, [failed]))
     elif kind == ABORT:
         for request_id in message[1]:
             core.abort_request(request_id)

@@ -24,6 +24,9 @@ class MicroBatchRecord:
     num_tokens: int
     queue_depth: int  # micro-batches in flight right after this one was submitted
     stage_times: list[tuple[float, float]]
+    # The most in-flight micro-batches holding one of this one's requests, it included: above
+    # 1 when a prompt's chunks are in several at once (the chunked pipeline).
+    request_spread: int = 1
 
 
 class PipelineStats:
@@ -36,23 +39,30 @@ class PipelineStats:
         self.num_stages = num_stages
         self.clock = clock
         self.records: deque[MicroBatchRecord] = deque(maxlen=max_records)  # the newest
-        self._submitted: dict[int, tuple[float, int, int, int]] = {}
+        self._submitted: dict[int, tuple[float, int, int, int, int]] = {}
         # Running totals since start, for counters (records only keep the newest).
         self.stage_busy_total = [0.0] * num_stages
         self.active_total = 0.0
         self._active_until = 0.0
 
     def on_submit(
-        self, micro_batch_id: int, num_requests: int, num_tokens: int, depth: int
+        self, micro_batch_id: int, num_requests: int, num_tokens: int, depth: int, spread: int = 1
     ) -> None:
-        self._submitted[micro_batch_id] = (self.clock(), num_requests, num_tokens, depth)
+        self._submitted[micro_batch_id] = (self.clock(), num_requests, num_tokens, depth, spread)
 
     def on_done(self, micro_batch_id: int, stage_times: list[tuple[float, float]]) -> None:
-        submitted, num_requests, num_tokens, depth = self._submitted.pop(micro_batch_id)
+        submitted, num_requests, num_tokens, depth, spread = self._submitted.pop(micro_batch_id)
         done = self.clock()
         self.records.append(
             MicroBatchRecord(
-                micro_batch_id, submitted, done, num_requests, num_tokens, depth, stage_times
+                micro_batch_id,
+                submitted,
+                done,
+                num_requests,
+                num_tokens,
+                depth,
+                stage_times,
+                spread,
             )
         )
         for stage, (start, end) in enumerate(stage_times):
@@ -84,6 +94,9 @@ class PipelineStats:
             "max_queue_depth": max(r.queue_depth for r in records),
             "mean_requests_per_micro_batch": sum(r.num_requests for r in records) / len(records),
             "mean_tokens_per_micro_batch": sum(r.num_tokens for r in records) / len(records),
+            # One long prompt filling every stage shows as P here (the chunked pipeline).
+            "max_micro_batches_per_request": max(r.request_spread for r in records),
+            "fraction_sharing_a_request": sum(r.request_spread > 1 for r in records) / len(records),
         }
 
     def write_trace(self, path: str) -> None:
@@ -98,6 +111,7 @@ class PipelineStats:
                 "requests": r.num_requests,
                 "tokens": r.num_tokens,
                 "queue": r.queue_depth,
+                "request_spread": r.request_spread,
                 "submitted_us": (r.submitted - origin) * 1e6,  # when the engine sent it
             }
             for stage, (start, end) in enumerate(r.stage_times):

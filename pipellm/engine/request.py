@@ -24,8 +24,17 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
+        parent_id: str | None = None,
+        index: int = 0,
+        fork_from: Request | None = None,
     ) -> None:
         self.request_id = request_id
+        # One of n parallel samples: the API's request id and this sample's index; the samples
+        # after the first take the first one's full prompt blocks (`fork_from`) instead of
+        # computing the prompt again.
+        self.parent_id = request_id if parent_id is None else parent_id
+        self.index = index
+        self.fork_from = fork_from
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
@@ -36,12 +45,12 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admit)
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
-        self.in_flight = False
+        self.num_in_flight = 0  # in-flight micro-batches holding a chunk of this request
         self.num_tokens_sent = 0  # how many of all_token_ids the stage workers already hold
         self.num_blocks_sent = 0  # likewise for block_ids
         self.num_preemptions = 0
         # Written only by Scheduler.stop_request, the one place a request ends.
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stop_reason: int | str | None = None
         # With prompt_logprobs: one entry per prompt token, filled as its chunks return.
         self.prompt_logprobs: list[Logprobs | None] | None = (
@@ -51,6 +60,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.num_in_flight > 0
 
     @property
     def num_prompt_tokens(self) -> int:

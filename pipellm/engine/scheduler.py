@@ -1,17 +1,24 @@
 """Continuous batching with chunked prefill, prefix caching and preemption, for P micro-batches.
 
-Each call to `schedule()` forms one micro-batch from requests that are not already in flight.
-A request's `num_computed_tokens` advances when it is scheduled, and it becomes schedulable
-again when its micro-batch's output is applied, so with P micro-batches in flight every
-request is in at most one of them.
+Each call to `schedule()` forms one micro-batch. A request's `num_computed_tokens` advances
+when it is scheduled. A request whose next step samples (a decode, or the last chunk of its
+prompt) waits until its in-flight micro-batch is applied, so it is in at most one sampling
+micro-batch at a time. The chunks of a prompt before the last sample nothing, so with the
+chunked pipeline (`enable_chunked_pipeline`, on by default) the next one goes into a new
+micro-batch while earlier ones are still in flight: every stage runs micro-batches in
+submission order, so chunk k has written its KV on a stage before chunk k+1 reaches that
+stage. One long prompt then fills every stage (SGLang calls this chunked pipeline
+parallelism). With it off, a request is in at most one in-flight micro-batch, as before.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 from pipellm.engine.block_manager import BlockManager
+from pipellm.engine.chunk_cost import ChunkCostModel
 from pipellm.engine.request import Request, RequestStatus
 from pipellm.protocol import Logprobs, ModelOutput, ScheduledRequest, SchedulerOutput
 
@@ -25,6 +32,9 @@ class SchedulerConfig:
     num_stages: int = 1  # P: pipeline stages, so up to P micro-batches in flight
     pp_balance: bool = True
     pp_microbatch_tokens: int = 128  # balanced pipelines: most tokens per micro-batch
+    # A prompt's next chunk may enter a micro-batch while its earlier chunks are in flight.
+    enable_chunked_pipeline: bool = True
+    chunk_cost: ChunkCostModel | None = None  # cost-balanced chunk sizes; None: fixed sizes
 
 
 @dataclass
@@ -35,6 +45,7 @@ class TokenUpdate:
     token_id: int
     logprobs: Logprobs | None
     finished: bool
+    error: str | None = None  # this request failed (token_id is then meaningless)
 
 
 class Scheduler:
@@ -47,7 +58,7 @@ class Scheduler:
         self._freed_ids: list[str] = []
         self._next_micro_batch_id = 0
         self.num_preemptions = 0
-        self.num_in_flight_tokens = 0  # scheduled tokens whose micro-batch has not returned
+        self.num_in_flight_work = 0.0  # `_work` of chunks whose micro-batch has not returned
         self.num_in_flight_batches = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -62,13 +73,14 @@ class Scheduler:
         self, request_id: str, reason: str, stop_reason: int | str | None = None
     ) -> None:
         """Ends a request now, or when its in-flight micro-batch comes back: the one writer of
-        finish_reason ("stop" | "length" | "abort") and stop_reason. The first reason stands."""
+        finish_reason ("stop" | "length" | "abort" | "error") and stop_reason. The first
+        reason stands."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return
         request.finish_reason, request.stop_reason = reason, stop_reason
         if request.in_flight:
-            request.status = RequestStatus.FINISHED  # blocks freed when the output returns
+            request.status = RequestStatus.FINISHED  # blocks freed when its last chunk returns
             return
         self._release(request)
 
@@ -89,7 +101,11 @@ class Scheduler:
     # ---- forming a micro-batch -----------------------------------------------------------
 
     def _preempt(self, request: Request) -> None:
-        """Frees a running request's blocks; it is recomputed from scratch when resumed."""
+        """Frees a running request's blocks; it is recomputed from scratch when resumed.
+
+        Never while a chunk of it is in flight: a stage could still write into its blocks.
+        """
+        assert not request.in_flight, "preempting a request with a chunk in flight"
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.WAITING
@@ -110,9 +126,26 @@ class Scheduler:
             self._preempt(victims[-1])
         return True
 
+    def _schedulable(self, request: Request) -> bool:
+        """Whether a running request can join the micro-batch being formed.
+
+        With nothing in flight, always: it has at least one token to compute (its prompt's
+        rest, or the token sampled last). With chunks in flight, only under the chunked
+        pipeline and only while prompt tokens remain: then none of its in-flight chunks
+        samples (only the chunk that reaches the last token does), and the one that will
+        goes in after them. A decode's next token does not exist until the last one returns.
+        """
+        if request.status != RequestStatus.RUNNING:
+            return False
+        if not request.in_flight:
+            return True
+        return (
+            self.config.enable_chunked_pipeline and request.num_computed_tokens < request.num_tokens
+        )
+
     def _ready_running(self) -> list[Request]:
-        """Running requests that can join the micro-batch being formed (none in flight)."""
-        return [r for r in self.running if not r.in_flight and r.status == RequestStatus.RUNNING]
+        """Running requests that can join the micro-batch being formed."""
+        return [r for r in self.running if self._schedulable(r)]
 
     def _admission_limit(self) -> int:
         """New or resumed requests per micro-batch: at most max(1, max_num_seqs // P), so a
@@ -123,11 +156,20 @@ class Scheduler:
             return max(1, cfg.max_num_seqs // cfg.num_stages)
         return cfg.max_num_seqs
 
-    def _token_budget(self) -> int:
-        """Tokens for the micro-batch being formed.
+    def _work(self, prefix: int, num_tokens: int) -> float:
+        """What a chunk of `num_tokens` after `prefix` computed tokens costs, in tokens at an
+        empty prefix: its token count, or with `--pp-chunk-sizing cost` the chunk-cost model's
+        estimate (decodes count as one token either way)."""
+        model = self.config.chunk_cost
+        if model is None or num_tokens <= 1:
+            return num_tokens
+        return model.cost(prefix, num_tokens)
 
-        Balanced pipelines give each micro-batch an equal share of the outstanding work (tokens
-        in flight plus tokens ready to schedule), so stage times match and no stage waits on a
+    def _token_budget(self) -> float:
+        """Work (tokens, or cost with a chunk-cost model) for the micro-batch being formed.
+
+        Balanced pipelines give each micro-batch an equal share of the outstanding work (work
+        in flight plus work ready to schedule), so stage times match and no stage waits on a
         heavy micro-batch while a light one has already passed. The share is taken over no more
         micro-batches than there are requests able to fill them, and a request's own remainder
         is not cut to fit it: it could not run in two micro-batches at once, so cutting it buys
@@ -135,6 +177,10 @@ class Scheduler:
         at `pp_microbatch_tokens`: the pipeline fills and drains one micro-batch at a time, so
         a stage idles for about one micro-batch at each end of a burst of prompts, and small
         micro-batches keep that short.
+
+        Under the chunked pipeline a prompt can be in several micro-batches at once, so the
+        share is taken over all P as soon as any ready request has prompt tokens left, and a
+        lone prompt is cut into chunks that fill every stage.
         """
         cfg = self.config
         if not (cfg.pp_balance and cfg.num_stages > 1):
@@ -144,18 +190,35 @@ class Scheduler:
         if not ready:
             return cfg.max_num_batched_tokens
         remaining = [r.num_tokens - r.num_computed_tokens for r in ready]
-        ways = min(cfg.num_stages, self.num_in_flight_batches + len(ready))
-        share = max(-(-(self.num_in_flight_tokens + sum(remaining)) // ways), max(remaining))
+        work = [self._work(r.num_computed_tokens, n) for r, n in zip(ready, remaining, strict=True)]
+        total = self.num_in_flight_work + sum(work)
+        if cfg.enable_chunked_pipeline and cfg.enable_chunked_prefill and max(remaining) > 1:
+            ways = cfg.num_stages
+            share = total / ways
+        else:
+            ways = min(cfg.num_stages, self.num_in_flight_batches + len(ready))
+            share = max(total / ways, max(work))
         if ways == cfg.num_stages:
-            share = min(share, cfg.pp_microbatch_tokens)
+            share = min(share, self._work(0, cfg.pp_microbatch_tokens))
+        if cfg.chunk_cost is None:
+            share = math.ceil(share)
         return max(1, min(cfg.max_num_batched_tokens, share))
 
-    def _take(self, num_new: int, budget: int, batch_empty: bool) -> int:
-        """How many of a request's remaining tokens go in this micro-batch (0: none)."""
-        if num_new <= budget:
+    def _take(self, prefix: int, num_new: int, budget: float, batch_empty: bool) -> int:
+        """How many of a request's remaining tokens (after `prefix` computed ones) go in this
+        micro-batch (0: none).
+
+        With a chunk-cost model (`--pp-chunk-sizing cost`) a prompt chunk takes as many tokens
+        as fit the budget's cost at its prefix, so chunks deep into a long prompt are smaller
+        and every chunk costs about the same.
+        """
+        if self._work(prefix, num_new) <= budget * (1 + 1e-9):
             return num_new
         if self.config.enable_chunked_prefill:
-            return budget
+            model = self.config.chunk_cost
+            if model is None:
+                return int(budget)
+            return max(1, model.tokens_for(prefix, budget))
         # Whole prompts only: the first may exceed the balanced share, never the hard cap.
         if batch_empty and num_new <= self.config.max_num_batched_tokens:
             return num_new
@@ -175,25 +238,30 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted for an earlier request
                 continue
-            num_new = self._take(
-                request.num_tokens - request.num_computed_tokens, budget, not chunks
-            )
+            prefix = request.num_computed_tokens
+            num_new = self._take(prefix, request.num_tokens - prefix, budget, not chunks)
             if num_new == 0:
                 continue
             if not self._allocate_or_preempt(request, num_new):
                 break  # FCFS: a newer request must not take the blocks this one waits for
             chunks.append((request, num_new, request.num_tokens_sent == 0))
-            request.in_flight = True
-            budget -= num_new
+            request.num_in_flight += 1  # from now on no victim of preemption
+            budget -= self._work(prefix, num_new)
 
         num_admitted = 0
         while self.waiting and budget > 0:
             if len(self.running) >= cfg.max_num_seqs or num_admitted >= self._admission_limit():
                 break
-            request = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(request)
+            request = next((r for r in self.waiting if not self._waits_for_fork(r)), None)
+            if request is None:
+                break
+            cached = self._fork_blocks(request)
+            if cached is None:
+                cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
-            num_new = self._take(request.num_tokens - num_cached_tokens, budget, not chunks)
+            num_new = self._take(
+                num_cached_tokens, request.num_tokens - num_cached_tokens, budget, not chunks
+            )
             if num_new == 0:
                 break
             bm = self.block_manager
@@ -201,22 +269,47 @@ class Scheduler:
             extra = bm.blocks_needed(num_cached_tokens + num_new) - len(cached)
             if not bm.can_allocate(newly_taken + extra):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             bm.take_cached_prefix(request, cached)
+            # NOTE: not inside an assert, which `python -O` would skip with its allocation.
             allocated = bm.allocate_slots(request, num_new)
-            assert allocated, "can_allocate promised these blocks"
+            assert allocated, "can_allocate said the blocks were free"
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
-            request.in_flight = True
             self.running.append(request)
             chunks.append((request, num_new, True))
+            request.num_in_flight += 1
             num_admitted += 1
-            budget -= num_new
+            budget -= self._work(num_cached_tokens, num_new)
 
         if not chunks:
             return None
         return self._make_output(chunks)
+
+    def _num_fork_blocks(self, request: Request) -> int:
+        """Full prompt blocks a parallel sample can share with the first sample (at least one
+        prompt token is left to compute, for the logits); 0 when it cannot fork."""
+        parent = request.fork_from
+        if parent is None or request.sampling_params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt row computed
+        if parent.status != RequestStatus.RUNNING or request.num_output_tokens:
+            return 0  # the first sample finished or was preempted; resumed samples recompute
+        return (request.num_prompt_tokens - 1) // self.block_manager.block_size
+
+    def _waits_for_fork(self, request: Request) -> bool:
+        """A parallel sample waits until the first sample's prompt blocks were scheduled in an
+        earlier micro-batch: stages run micro-batches in order, so it then reads them written.
+        """
+        num_blocks = self._num_fork_blocks(request)
+        return num_blocks > 0 and (
+            request.fork_from.num_computed_tokens < num_blocks * self.block_manager.block_size
+        )
+
+    def _fork_blocks(self, request: Request) -> list[int] | None:
+        """The first sample's prompt blocks this sample shares (ref counts), or None."""
+        num_blocks = self._num_fork_blocks(request)
+        return request.fork_from.block_ids[:num_blocks] if num_blocks else None
 
     def _make_output(self, chunks: list[tuple[Request, int, bool]]) -> SchedulerOutput:
         scheduled = []
@@ -235,33 +328,41 @@ class Scheduler:
             request.num_blocks_sent = len(request.block_ids)
             request.num_computed_tokens += num_new
             item.sample = request.num_computed_tokens == request.num_tokens
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             scheduled.append(item)
         output = SchedulerOutput(self._next_micro_batch_id, scheduled, self._freed_ids)
-        self.num_in_flight_tokens += output.num_tokens
+        self.num_in_flight_work += self._output_work(output)
         self.num_in_flight_batches += 1
         self._freed_ids = []
         self._next_micro_batch_id += 1
         return output
+
+    def _output_work(self, output: SchedulerOutput) -> float:
+        return sum(
+            self._work(r.num_computed_tokens, r.num_scheduled_tokens) for r in output.requests
+        )
 
     # ---- applying a micro-batch's result --------------------------------------------------
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_output: ModelOutput
     ) -> list[TokenUpdate]:
-        """Appends sampled tokens in submission order and applies token-level stop rules."""
+        """Appends sampled tokens in submission order and applies token-level stop rules.
+
+        A chunk's full blocks become findable by the prefix cache here, once the chunk has
+        passed every stage, so no request can be given a block whose KV is still being written.
+        """
         assert model_output.micro_batch_id == scheduler_output.micro_batch_id, (
             "outputs applied out of order"
         )
-        self.num_in_flight_tokens -= scheduler_output.num_tokens
+        self.num_in_flight_work -= self._output_work(scheduler_output)
         self.num_in_flight_batches -= 1
         updates = []
-        sampled = iter(model_output.sampled_token_ids)
+        sampled = iter(enumerate(model_output.sampled_token_ids))
         logprobs = iter(model_output.logprobs or [])
         prompt_logprobs = model_output.prompt_logprobs or {}
         for item in scheduler_output.requests:
             request = self.requests.get(item.request_id)
-            token_id = next(sampled) if item.sample else None
+            row, token_id = next(sampled) if item.sample else (None, None)
             token_logprobs = next(logprobs, None) if item.sample else None
             if request is None:
                 continue
@@ -269,11 +370,18 @@ class Scheduler:
                 # Assigned by position: a prompt recomputed after preemption rewrites the same.
                 position, entries = prompt_logprobs[item.request_id]
                 request.prompt_logprobs[position : position + len(entries)] = entries
-            request.in_flight = False
-            if request.is_finished:  # aborted while in flight
-                self._release(request)
+            request.num_in_flight -= 1
+            if request.is_finished:  # aborted while in flight: released with its last chunk
+                if not request.in_flight:
+                    self._release(request)
                 continue
+            computed = item.num_computed_tokens + item.num_scheduled_tokens
+            self.block_manager.cache_full_blocks(request, computed)
             if token_id is None:
+                continue
+            if row in model_output.failed:
+                updates.append(TokenUpdate(request, token_id, None, True, model_output.failed[row]))
+                self.stop_request(request.request_id, "error")
                 continue
             request.append_output_token(token_id)
             stop = request.token_stop(self.config.max_model_len)

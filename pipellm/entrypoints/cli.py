@@ -45,14 +45,18 @@ def _serve(args: argparse.Namespace) -> None:
     from pipellm.entrypoints.openai_server import run_server
 
     try:
-        run_server(args)
+        exit_code = run_server(args)
     except EngineStartupError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
+    if exit_code:
+        print("error: the engine core died; see the log above", file=sys.stderr)
+        sys.exit(exit_code)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from pipellm.entrypoints.engine_args import add_engine_args
+    from pipellm.entrypoints.server_limits import add_limit_args
 
     serve = sub.add_parser(
         "serve",
@@ -75,6 +79,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--api-key",
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PIPELLM_API_KEY)",
     )
+    add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

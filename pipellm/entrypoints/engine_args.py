@@ -68,7 +68,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="pipeline stages: the model's layers split into this many processes",
     )
     g.add_argument(
-        "-tp", "--tensor-parallel-size", type=int, default=1, help="tensor parallel ranks"
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per stage: heads, MLP columns and vocabulary split over "
+        "this many processes, two all-reduces a layer (shared memory on one host); "
+        "see docs/tensor_parallel.md",
     )
     g.add_argument(
         "--distributed-executor-backend",
@@ -89,7 +95,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="balanced pipelines: most tokens in one micro-batch (default %(default)s); smaller "
         "micro-batches leave shorter bubbles while the pipeline fills and drains",
     )
-    g.add_argument("--num-threads", type=int, help="torch threads per stage (default: cores / P)")
+    g.add_argument(
+        "--enable-chunked-pipeline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let a prompt's next chunk enter the pipeline while its earlier chunks are still "
+        "in flight, so one long prompt keeps every stage busy (chunked pipeline parallelism)",
+    )
+    g.add_argument(
+        "--pp-chunk-sizing",
+        choices=["fixed", "cost"],
+        default="fixed",
+        help="prompt chunk sizes: fixed (the token budget) or cost (a fitted model of chunk "
+        "time from prefix length and size: later chunks of a long prompt shrink so that all "
+        "cost the same; docs/pipeline.md)",
+    )
+    g.add_argument(
+        "--num-threads", type=int, help="torch threads per process (default: cores / (TP x PP))"
+    )
     g.add_argument(
         "--max-cudagraph-capture-size",
         type=int,

@@ -74,8 +74,6 @@ class GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raises OpenAIError(400) for options this server does not implement."""
-        if self.n != 1:
-            _unsupported("n", self.n, "only n=1 is supported; send n separate requests")
         if self.stream_options is not None and not self.stream:
             _unsupported("stream_options", "{...}", "stream_options needs stream=true")
 
@@ -95,6 +93,7 @@ class GenerationRequest(BaseModel):
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
+                n=self.n,
                 seed=self.seed,
                 stop=self.stop or [],
                 stop_token_ids=self.stop_token_ids or [],
@@ -138,8 +137,9 @@ class CompletionRequest(GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of is not None and self.best_of > 1:
-            _unsupported("best_of", self.best_of, "only best_of=1 is supported")
+        if self.best_of is not None and self.best_of != self.n:
+            # vLLM V1 dropped best_of too: rank n samples by their logprobs instead.
+            _unsupported("best_of", self.best_of, "best_of must equal n; use n and logprobs")
         if self.echo and self.stream:
             _unsupported("echo", True, "echo needs stream=false")
         if self.max_tokens == 0 and not self.echo:

@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -37,7 +37,8 @@ from pipellm.entrypoints.openai_protocol import (
     OpenAIError,
     error_body,
 )
-from pipellm.entrypoints.openai_serving import OpenAIServing
+from pipellm.entrypoints.openai_serving import OpenAIServing, one_line
+from pipellm.entrypoints.server_limits import BodyLimits, ServerLimits, header_timeout_protocol
 from pipellm.entrypoints.server_metrics import ServerMetrics
 from pipellm.loader.source import resolve_model
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "PIPELLM_API_KEY"
 GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish before they are cancelled
+ENGINE_DEAD_EXIT_CODE = 1
 
 # What a field of several accepted shapes must look like (pydantic would list each shape).
 UNION_HINTS = {
@@ -61,7 +63,7 @@ async def health(request: Request) -> Response:
     client: AsyncEngineClient = request.app.state.client
     if client.is_alive:
         return Response(status_code=200)
-    reason = client.dead_reason or "the engine core process is not running"
+    reason = one_line(client.dead_reason or "the engine core process is not running")
     return JSONResponse(error_body(reason, "server_error"), status_code=503)
 
 
@@ -123,16 +125,22 @@ class BearerAuth:
 
 
 def build_app(
-    core: CoreProcess, config: EngineConfig, tokenizer: Tokenizer, api_key: str | None
+    core: CoreProcess,
+    config: EngineConfig,
+    tokenizer: Tokenizer,
+    api_key: str | None,
+    limits: ServerLimits,
+    on_engine_dead: Callable[[], None] = lambda: None,
 ) -> FastAPI:
-    """The FastAPI app; its lifespan connects to `core`, which must be ready."""
+    """The FastAPI app; its lifespan connects to `core`, which must be ready. on_engine_dead
+    runs (on the event loop) once the engine core has died."""
     server_metrics = ServerMetrics(config.model_name, config.pipeline_parallel_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = AsyncEngineClient(core)
+        client = AsyncEngineClient(core, on_dead=on_engine_dead)
         app.state.client = client
-        app.state.serving = OpenAIServing(client, config, tokenizer, server_metrics)
+        app.state.serving = OpenAIServing(client, config, tokenizer, server_metrics, limits)
         yield
         client.close()
 
@@ -145,7 +153,8 @@ def build_app(
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
-    if api_key:
+    app.add_middleware(BodyLimits, limits=limits)
+    if api_key:  # outermost: a client without the key gets no further, not even its body read
         app.add_middleware(BearerAuth, api_key=api_key)
     return app
 
@@ -182,17 +191,24 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
 
 
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
-    # A bug, not the client's fault; uvicorn logs the traceback.
-    message = f"internal error: {type(error).__name__}: {error}"
+    # A bug, not the client's fault; uvicorn logs the traceback, the client never sees it.
+    message = f"internal error ({type(error).__name__}); the server log has the details"
     return JSONResponse(error_body(message, "server_error"), status_code=500)
 
 
 # ---- running the server ------------------------------------------------------------------------
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """`pipellm serve`: returns after a graceful stop (SIGINT or SIGTERM)."""
+def run_server(args: argparse.Namespace) -> int:
+    """`pipellm serve`: returns the exit status: 0 after a graceful stop (SIGINT or SIGTERM),
+    ENGINE_DEAD_EXIT_CODE soon after the engine core died.
+
+    NOTE: a dead engine cannot recover in place (its stages' state is gone), so the server
+    stops rather than answer 503 forever: in-flight requests get their error, then the
+    process exits non-zero for systemd or Kubernetes to restart it, as vLLM's API server does.
+    """
     config = engine_config_from_args(args)  # a bad setting fails here, before any process
+    limits = ServerLimits.from_args(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = _listen(args.host, args.port)
     # SIGTERM stops the server the way Ctrl-C does, so the finally below always runs.
@@ -212,11 +228,25 @@ def run_server(args: argparse.Namespace) -> None:
             config.pipeline_parallel_size,
             "required" if api_key else "off",
         )
-        app = build_app(core, config, tokenizer, api_key)
+        engine_died = False
+
+        def stop_serving() -> None:
+            nonlocal engine_died
+            engine_died = True
+            logger.error("the engine core is dead: stopping the server (exit code %d)", 1)
+            server.should_exit = True
+
+        app = build_app(core, config, tokenizer, api_key, limits, on_engine_dead=stop_serving)
         uvicorn_config = uvicorn.Config(
-            app, log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+            app,
+            log_config=None,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            http=header_timeout_protocol(limits.request_read_timeout_s),
         )
-        uvicorn.Server(uvicorn_config).run(sockets=[sock])
+        server = uvicorn.Server(uvicorn_config)
+        server.run(sockets=[sock])
+        if engine_died:
+            return ENGINE_DEAD_EXIT_CODE
     except KeyboardInterrupt:
         pass
     finally:
@@ -227,6 +257,7 @@ def run_server(args: argparse.Namespace) -> None:
         core.shutdown()
         sock.close()
     logger.info("server stopped")
+    return 0
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipellm.config import EngineConfig
-from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError
+from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError, RequestFailedError
 from pipellm.engine.prompt_check import check_prompt
 from pipellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -23,6 +23,7 @@ from pipellm.entrypoints.openai_protocol import (
     GenerationRequest,
     OpenAIError,
 )
+from pipellm.entrypoints.server_limits import ServerLimits, prompt_chars_bound
 from pipellm.entrypoints.server_metrics import ServerMetrics
 from pipellm.protocol import EngineOutput, Logprobs
 from pipellm.sampling_params import SamplingParams
@@ -40,12 +41,17 @@ class OpenAIServing:
         config: EngineConfig,
         tokenizer: Tokenizer,
         metrics: ServerMetrics,
+        limits: ServerLimits,
     ) -> None:
         self.client = client
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.limits = limits
         self.model_name = config.model_name
+        self.max_prompt_chars = limits.max_prompt_chars or prompt_chars_bound(
+            config.max_model_len, tokenizer.longest_token_chars
+        )
 
     # ---- endpoints -----------------------------------------------------------------------------
 
@@ -53,7 +59,7 @@ class OpenAIServing:
         self._check_request(request)
         prompt = request.single_prompt()
         if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
+            prompt_ids = await self._encode(prompt, "prompt", add_special_tokens=True)
         else:
             prompt_ids = prompt
         params = self._sampling_params(
@@ -77,7 +83,7 @@ class OpenAIServing:
                 echoed = prompt_logprobs or [None] * len(prompt_ids)
                 pairs = list(zip(prompt_ids, echoed, strict=True)) + pairs
             out = {
-                "index": 0,
+                "index": outs[0].index if outs else 0,
                 "text": text,
                 "logprobs": self._completion_logprobs(pairs)
                 if request.logprobs is not None
@@ -92,7 +98,8 @@ class OpenAIServing:
             return _sse(reply.stream(outputs, [], choice, request.include_usage))
         outs = await _unless_disconnected(raw, _collect(outputs))
         num_tokens = 0 if request.echo_only else _num_tokens(outs)
-        return JSONResponse(reply.whole(num_tokens, choice(outs, outs[-1])))
+        choices = [choice(sample, sample[-1]) for sample in _by_sample(outs, params.n)]
+        return JSONResponse(reply.whole(num_tokens, choices))
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self._check_request(request)
@@ -102,7 +109,7 @@ class OpenAIServing:
             raise OpenAIError(
                 f"cannot apply the chat template: {error}", param="messages"
             ) from error
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = await self._encode(text, "messages", add_special_tokens=False)
         params = self._sampling_params(
             request,
             prompt_ids,
@@ -121,18 +128,30 @@ class OpenAIServing:
 
             def delta(outs: list[EngineOutput], finished: EngineOutput | None) -> Chunk:
                 return {
-                    "index": 0,
+                    "index": outs[0].index,
                     "delta": {"content": "".join(o.new_text for o in outs)},
                     "logprobs": logprobs(outs),
                     **_finish(finished),
                 }
 
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-            return _sse(reply.stream(outputs, [role], delta, request.include_usage))
+            roles = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                for i in range(params.n)
+            ]
+            return _sse(reply.stream(outputs, roles, delta, request.include_usage))
         outs = await _unless_disconnected(raw, _collect(outputs))
-        message = {"role": "assistant", "content": "".join(o.new_text for o in outs)}
-        choice = {"index": 0, "message": message, "logprobs": logprobs(outs), **_finish(outs[-1])}
-        body = reply.whole(_num_tokens(outs), choice)
+
+        def choice(sample: list[EngineOutput]) -> Chunk:
+            message = {"role": "assistant", "content": "".join(o.new_text for o in sample)}
+            return {
+                "index": sample[0].index,
+                "message": message,
+                "logprobs": logprobs(sample),
+                **_finish(sample[-1]),
+            }
+
+        choices = [choice(sample) for sample in _by_sample(outs, params.n)]
+        body = reply.whole(_num_tokens(outs), choices)
         prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None)
         if prompt_logprobs is not None:  # vLLM puts it beside the choices in chat replies
             body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_ids, prompt_logprobs)
@@ -150,6 +169,44 @@ class OpenAIServing:
                 code="model_not_found",
             )
         request.check_supported()
+        self._check_stop(request)
+
+    def _check_stop(self, request: GenerationRequest) -> None:
+        """Stop strings are searched after every token, bad words tokenized in the engine
+        core's loop: their number and length are capped."""
+        limits = self.limits
+        stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        lists = {"stop": stop, "bad_words": request.bad_words or []}
+        for name, values in {**lists, "stop_token_ids": request.stop_token_ids or []}.items():
+            if len(values) > limits.max_stop_strings:
+                raise OpenAIError(
+                    f"{name} has {len(values)} entries, over the limit of "
+                    f"{limits.max_stop_strings} (--max-stop-strings)",
+                    param=name,
+                )
+        for name, strings in lists.items():
+            longest = max((len(s) for s in strings), default=0)
+            if longest > limits.max_stop_string_chars:
+                raise OpenAIError(
+                    f"a string in {name} has {longest} characters, over the limit of "
+                    f"{limits.max_stop_string_chars} (--max-stop-string-chars)",
+                    param=name,
+                )
+
+    async def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a prompt, refused before tokenizing if it cannot fit the context."""
+        if len(text) > self.max_prompt_chars:
+            raise OpenAIError(
+                f"the {param} has {len(text)} characters, over the limit of "
+                f"{self.max_prompt_chars} (--max-prompt-chars): no text that long fits this "
+                f"model's maximum context length of {self.config.max_model_len} tokens",
+                param=param,
+            )
+        try:
+            # Off the event loop: a long prompt must not stall the other requests' streams.
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        except ValueError as error:
+            raise OpenAIError(f"{param}: {error}", param=param) from error
 
     def _sampling_params(
         self,
@@ -185,7 +242,7 @@ class OpenAIServing:
     ) -> AsyncIterator[EngineOutput]:
         if not self.client.is_alive:
             raise OpenAIError(
-                f"the engine is not running: {self.client.dead_reason}",
+                f"the engine is not running: {one_line(self.client.dead_reason or '')}",
                 status_code=500,
                 type="server_error",
             )
@@ -288,8 +345,8 @@ class _Reply:
             "total_tokens": self.num_prompt_tokens + num_tokens,
         }
 
-    def whole(self, num_tokens: int, choice: Chunk) -> Chunk:
-        return self._envelope([choice], self.usage(num_tokens))
+    def whole(self, num_tokens: int, choices: list[Chunk]) -> Chunk:
+        return self._envelope(choices, self.usage(num_tokens))
 
     async def stream(
         self,
@@ -311,7 +368,7 @@ class _Reply:
                     yield _event(self._envelope([to_choice([out], finished)], None))
             if include_usage:
                 yield _event(self._envelope([], self.usage(num_tokens)))
-        except (EngineDeadError, ValueError) as error:
+        except (EngineDeadError, RequestFailedError, ValueError) as error:
             yield _event(_as_openai_error(error).body())
         yield "data: [DONE]\n\n"
 
@@ -320,7 +377,7 @@ async def _collect(outputs: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
     try:
         async with aclosing(outputs):
             return [out async for out in outputs]
-    except (EngineDeadError, ValueError) as error:
+    except (EngineDeadError, RequestFailedError, ValueError) as error:
         raise _as_openai_error(error) from error
 
 
@@ -347,14 +404,30 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 def _as_openai_error(error: Exception) -> OpenAIError:
     if isinstance(error, EngineDeadError):
-        return OpenAIError(f"the engine failed: {error}", status_code=500, type="server_error")
+        return OpenAIError(f"the engine failed: {one_line(str(error))}", 500, "server_error")
+    if isinstance(error, RequestFailedError):
+        message = f"the engine failed this request ({error}); the server log has the details"
+        return OpenAIError(message, status_code=500, type="server_error")
     return OpenAIError(str(error))
+
+
+def one_line(reason: str) -> str:
+    """The first line of an internal reason: tracebacks stay in the server log."""
+    return reason.strip().splitlines()[0] if reason.strip() else "unknown"
 
 
 def _finish(out: EngineOutput | None) -> Chunk:
     if out is None:
         return {"finish_reason": None}
     return {"finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+
+def _by_sample(outs: list[EngineOutput], n: int) -> list[list[EngineOutput]]:
+    """A request's outputs split by sample index (each sample has at least one)."""
+    samples: list[list[EngineOutput]] = [[] for _ in range(n)]
+    for out in outs:
+        samples[out.index].append(out)
+    return samples
 
 
 def _num_tokens(outs: list[EngineOutput]) -> int:

@@ -157,7 +157,7 @@ class VirtualClient:
                 if out.new_text:  # as bench serve's client: only chunks with text are timed
                     request.chunk_times.append(seen)
                     self._texts[i].append(out.new_text)
-                if out.finished:
+                if out.request_finished:
                     self._finish(i, seen, success=True)
 
     def _finish(self, i: int, seen: float, success: bool) -> None:

@@ -12,6 +12,7 @@ stage to be ready (isend). The engine never waits on a stage except through a fu
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -28,6 +29,8 @@ from pipellm.executor.pending import PendingOutputs
 from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.net import LOOPBACK, free_port
 
+logger = logging.getLogger(__name__)
+
 READY, ERROR = "ready", "error"
 STARTUP_TIMEOUT_S = 300.0
 
@@ -35,13 +38,17 @@ STARTUP_TIMEOUT_S = 300.0
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.num_stages = config.pipeline_parallel_size
+        # One process per tensor-parallel rank of each stage; rank 0 of the last stage samples.
+        tp_size = config.tensor_parallel_size
+        self.num_ranks = self.num_stages * tp_size
+        self.output_rank = (self.num_stages - 1) * tp_size
         self._pending = PendingOutputs()
         self._closed = False
         context = mp.get_context("spawn")
         port = free_port()
         self.processes: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
-        for rank in range(self.num_stages):
+        for rank in range(self.num_ranks):
             parent_conn, child_conn = context.Pipe()
             process = context.Process(
                 target=stage_main,
@@ -66,7 +73,7 @@ class MultiprocExecutor(Executor):
     def _wait_ready(self) -> None:
         """Waits for every stage's READY; a startup error or early exit raises at once."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        waiting = set(range(self.num_stages))
+        waiting = set(range(self.num_ranks))
         while waiting:
             watched = {self.conns[r]: r for r in waiting}
             watched.update({self.processes[r].sentinel: r for r in waiting})
@@ -99,7 +106,7 @@ class MultiprocExecutor(Executor):
 
     def _read_outputs(self) -> None:
         """Resolves futures in submission order; turns a dead or failed stage into errors."""
-        last = self.conns[-1]
+        last = self.conns[self.output_rank]
         watched = {p.sentinel: r for r, p in enumerate(self.processes)}
         watched.update({c: r for r, c in enumerate(self.conns)})
         while not self._closed:
@@ -117,13 +124,13 @@ class MultiprocExecutor(Executor):
                     if isinstance(message, ModelOutput):
                         self._pending.resolve_oldest(message)
                         continue
-                    self._pending.fail(f"pipeline stage {rank} failed:\n{message[1]}")
+                    self._stage_failed(rank, message[1])
                 elif isinstance(item, Connection):
                     try:
                         _, detail = item.recv()
                     except (EOFError, OSError):
                         continue
-                    self._pending.fail(f"pipeline stage {rank} failed:\n{detail}")
+                    self._stage_failed(rank, detail)
                 elif not self._closed:
                     self.processes[rank].join(timeout=1.0)  # the exit code is set on join
                     code = self.processes[rank].exitcode
@@ -133,6 +140,13 @@ class MultiprocExecutor(Executor):
                     )
             if self._pending.dead:
                 return
+
+    def _stage_failed(self, rank: int, traceback_text: str) -> None:
+        """Logs the stage's traceback; the reason that travels on (to /health, to clients)
+        is its last line only."""
+        logger.error("pipeline stage %d failed:\n%s", rank, traceback_text)
+        last_line = traceback_text.strip().splitlines()[-1] if traceback_text.strip() else "?"
+        self._pending.fail(f"pipeline stage {rank} failed: {last_line[:200]}", log=False)
 
     def check_health(self) -> None:
         if self._pending.dead:

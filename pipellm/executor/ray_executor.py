@@ -16,8 +16,10 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pipellm.config import EngineConfig
@@ -78,7 +80,7 @@ class RayExecutor(Executor):
             self._wait_all([a.start.remote(host, port, one_host) for a in self.actors], "start")
             here = ray.get_runtime_context().get_node_id()
             self.clock_offsets = [  # a stage on the driver's host shares its clock
-                0.0 if loc.node_id == here else _clock_offset(actor)
+                0.0 if loc.node_id == here else _clock_offset(partial(_read_clock, actor))
                 for actor, loc in zip(self.actors, self.locations, strict=True)
             ]
         except BaseException:
@@ -223,15 +225,19 @@ def _release(held: _Held) -> None:
     ray_cluster.disconnect(held.session)
 
 
-def _clock_offset(actor: Any) -> float:
-    """The stage clock minus the driver's (NTP's estimate: the sample with the shortest
-    round trip, its remote reading taken as the midpoint of the trip)."""
+def _read_clock(actor: Any) -> float:
     import ray
 
+    return ray.get(actor.clock.remote())
+
+
+def _clock_offset(read_clock: Callable[[], float]) -> float:
+    """The stage clock minus the driver's (NTP's estimate: the sample with the shortest
+    round trip, its remote reading taken as the midpoint of the trip)."""
     best_rtt, best_offset = float("inf"), 0.0
     for _ in range(CLOCK_SAMPLES):
         sent = time.time()
-        remote = ray.get(actor.clock.remote())
+        remote = read_clock()
         received = time.time()
         if received - sent < best_rtt:
             best_rtt, best_offset = received - sent, remote - (sent + received) / 2
@@ -240,6 +246,11 @@ def _clock_offset(actor: Any) -> float:
 
 def _cause(error: BaseException) -> str:
     """The stage's own exception where Ray wrapped one, else Ray's message, in one line."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    if isinstance(error, ActorDiedError | ActorUnavailableError):
+        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        return f"its Ray actor is gone: the stage process or its host died ({detail})"
     cause = getattr(error, "cause", None)
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {cause}"

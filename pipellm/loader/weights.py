@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -17,6 +18,20 @@ from pipellm.loader.source import ModelSource
 from pipellm.model.gguf_linear import KERNEL_KINDS, QuantizedWeight
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.stage_spec import StageSpec
+from pipellm.model.tp_plan import (
+    TensorParallelError,
+    TensorParallelPlan,
+    WeightShard,
+    check_row_split,
+)
+
+# A tensor-parallel rank's part of a checkpoint tensor, by name (None: all of it).
+ShardOf = Callable[[str], WeightShard | None]
+
+
+def _whole(name: str) -> None:
+    return None
+
 
 _LAYER_WEIGHTS = (
     "self_attn.q_proj",
@@ -57,6 +72,7 @@ def iter_weights(
     stage: StageSpec,
     dtype: torch.dtype,
     skip: Container[str] = (),
+    shard_of: ShardOf = _whole,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, tensor) for the weights of the stage's layers.
 
@@ -64,8 +80,10 @@ def iter_weights(
     embeddings are tied, "model.embed_tokens.weight" to use as lm_head. Attention biases are
     yielded when the checkpoint has them. Only the stage's tensors are read from disk, less
     those named in `skip` (weights the stage takes quantized, see iter_quantized_weights).
+    With tensor parallelism, `shard_of` names the rows or columns of each tensor this rank
+    holds, and only those are read (and dequantized).
     """
-    needed = _Stage(config, stage, skip)
+    needed = _Stage(config, stage, skip, shard_of)
     if source.kind == "hf":
         yield from _iter_safetensors(source.path, needed, dtype)
     else:
@@ -79,6 +97,7 @@ class _Stage:
     config: ModelConfig
     spec: StageSpec
     skip: Container[str] = ()
+    shard_of: ShardOf = _whole
 
     def __post_init__(self) -> None:
         start, end = self.spec.layer_start, self.spec.layer_end
@@ -126,7 +145,13 @@ def _iter_safetensors(
                 raise _missing(folder, name)
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-            yield name, handles[file].get_tensor(name).to(dtype)
+            shard = stage.shard_of(name)
+            if shard is None:
+                yield name, handles[file].get_tensor(name).to(dtype)
+                continue
+            part = handles[file].get_slice(name)  # reads only the rank's rows or columns
+            index = slice(shard.start, shard.stop)
+            yield name, (part[index] if shard.dim == 0 else part[:, index]).to(dtype)
 
 
 def _safetensors_file_map(folder: Path) -> dict[str, Path]:
@@ -147,6 +172,7 @@ def iter_quantized_weights(
     source: ModelSource,
     config: ModelConfig,
     stage: StageSpec,
+    shard_of: ShardOf = _whole,
 ) -> Iterator[tuple[str, QuantizedWeight]]:
     """Like iter_weights, but only the GGUF matrices pipellm's quantized kernel takes, in their
     file bytes (rows in Hugging Face order); nothing for a safetensors checkpoint."""
@@ -156,8 +182,19 @@ def iter_quantized_weights(
     for name in _Stage(config, stage).weight_names(tensors):
         tensor = tensors.get(name)
         if tensor is not None and tensor.tensor_type in KERNEL_KINDS and len(tensor.shape) == 2:
-            blocks = torch.from_numpy(tensor.data.copy())  # [rows, bytes]: own it, off the map
+            data = _shard_data(name, tensor, shard_of(name))
+            blocks = torch.from_numpy(data.copy())  # [rows, bytes]: own it, off the map
             yield name, QuantizedWeight(tensor.tensor_type, _hf_rows(name, blocks, config))
+
+
+def check_gguf_tensor_parallel(source: ModelSource, plans: list[TensorParallelPlan]) -> None:
+    """Raises TensorParallelError if a rank's columns of a quantized row-parallel weight
+    (o_proj, down_proj) would cut through its GGUF blocks."""
+    for name, tensor in _gguf_tensors(source.path).items():
+        block_values, _ = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        if block_values > 1:
+            for plan in plans:
+                check_row_split(plan, name, block_values)
 
 
 def _gguf_tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
@@ -175,16 +212,35 @@ def _iter_gguf(path: Path, stage: _Stage, dtype: torch.dtype) -> Iterator[tuple[
     for name in stage.weight_names(tensors):
         if name not in tensors:
             raise _missing(path, name)
-        yield name, _hf_rows(name, _dequantize(tensors[name]), stage.config).to(dtype)
+        tensor = tensors[name]
+        data = _shard_data(name, tensor, stage.shard_of(name))
+        yield name, _hf_rows(name, _dequantize(tensor, data), stage.config).to(dtype)
+
+
+def _shard_data(name: str, tensor: gguf.ReaderTensor, shard: WeightShard | None) -> np.ndarray:
+    """The rank's rows or columns of a GGUF tensor's data, still in file bytes (quantized
+    rows are [rows, bytes]: a column split must fall on its blocks' boundaries)."""
+    data = tensor.data
+    if shard is None:
+        return data
+    if shard.dim == 0:
+        return data[shard.start : shard.stop]
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    if shard.start % block_values or shard.stop % block_values:
+        raise TensorParallelError(
+            f"{name}: this rank's input columns [{shard.start}, {shard.stop}) do not fall on "
+            f"the GGUF blocks of {block_values} values; use another tensor_parallel_size"
+        )
+    start, stop = shard.start // block_values, shard.stop // block_values
+    return np.ascontiguousarray(data[:, start * block_bytes : stop * block_bytes])
 
 
 def _hf_rows(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """llama.cpp's converter permutes q/k rows for its rope layout; the model uses HF's. Works
     on dequantized weights and on quantized block rows alike: each row is one output."""
-    if ".q_proj." in name:
-        return _unpermute_rope_rows(rows, config.num_attention_heads)
-    if ".k_proj." in name:
-        return _unpermute_rope_rows(rows, config.num_key_value_heads)
+    if ".q_proj." in name or ".k_proj." in name:
+        # Per head: a tensor-parallel rank's whole heads unpermute alike.
+        return _unpermute_rope_rows(rows, rows.shape[0] // config.head_dim)
     return rows
 
 
@@ -199,10 +255,12 @@ def _hf_name(gguf_name: str) -> str | None:
     return None if hf_base is None else f"{hf_base}.{suffix}"
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
-    """A float32 tensor in Hugging Face's [out, in] shape (GGUF lists dimensions reversed)."""
-    shape = tuple(int(dim) for dim in reversed(tensor.shape))
-    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+def _dequantize(tensor: gguf.ReaderTensor, data: np.ndarray) -> torch.Tensor:
+    """`data` (all or part of the tensor's) as float32 in Hugging Face's [out, in] shape (GGUF
+    lists dimensions reversed)."""
+    array = gguf.quants.dequantize(data, tensor.tensor_type)
+    if len(tensor.shape) > 1:
+        array = array.reshape(data.shape[0], -1)
     # Unquantized tensors come back as views of the read-only memory map; torch wants to own them.
     return torch.from_numpy(array if array.flags.writeable else array.copy())
 

@@ -22,6 +22,8 @@ from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import RotaryEmbedding
 from pipellm.model.stage_spec import StageSpec
+from pipellm.model.tp_plan import TensorParallelPlan, plan_tensor_parallel
+from pipellm.parallel.comm import TensorParallelComm
 
 
 class RMSNorm(nn.Module):
@@ -54,17 +56,25 @@ FUSED_PROJECTIONS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's heads (all of them without tensor parallelism): qkv_proj column-parallel,
+    o_proj row-parallel, one all-reduce (see model/tp_plan.py)."""
+
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallelPlan, comm: TensorParallelComm | None
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = tp.num_heads
+        self.num_kv_heads = tp.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        self.comm = comm
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = FusedLinear(
             config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_output_bias)
+        # The partial sums are added up by the all-reduce: rank 0 alone adds the bias.
+        bias = config.attention_output_bias and tp.rank == 0
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
 
     def forward(
         self,
@@ -79,27 +89,36 @@ class Attention(nn.Module):
             qkv, cos_sin, *kv_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads
         )
         out = paged_attention(q, k, v, *kv_cache, batch, self.scale)
-        return self.o_proj(out.view(t, -1))
+        out = self.o_proj(out.view(t, -1))
+        return out if self.comm is None else self.comm.all_reduce_(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's MLP columns: gate_up_proj column-parallel, down_proj row-parallel."""
+
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallelPlan, comm: TensorParallelComm | None
+    ) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = tp.intermediate_size
+        self.comm = comm
         self.gate_up_proj = FusedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return out if self.comm is None else self.comm.all_reduce_(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallelPlan, comm: TensorParallelComm | None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp, comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp, comm)
 
     def forward(
         self,
@@ -123,13 +142,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaStage(nn.Module):
-    """The part of the model one pipeline stage runs."""
+    """The part of the model one pipeline stage runs; with tensor parallelism, one rank's
+    share of it (`tp`: its heads, MLP columns and vocabulary; `comm`: its group)."""
 
     def __init__(
         self,
         config: ModelConfig,
         stage: StageSpec,
         dtype: torch.dtype,
+        tp: TensorParallelPlan | None = None,
+        comm: TensorParallelComm | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -137,13 +159,18 @@ class LlamaStage(nn.Module):
         is_first, is_last = stage.is_first, stage.is_last
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first, self.is_last = is_first, is_last
-        hidden, vocab = config.hidden_size, config.vocab_size
+        self.tp = tp = tp or plan_tensor_parallel(config, 1, 0)
+        self.comm = comm if tp.size > 1 else None
+        comm = self.comm
+        hidden, vocab = config.hidden_size, tp.vocab_size
         # NOTE: built on the meta device: weights arrive from the loader (or the dummy
         # initializer) as ready tensors, so random init and a second copy are never paid for.
         with torch.device("meta"):
             needs_embedding = is_first or (is_last and config.tie_word_embeddings)
             self.embed_tokens = nn.Embedding(vocab, hidden) if needs_embedding else None
-            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(layer_start, layer_end))
+            self.layers = nn.ModuleList(
+                DecoderLayer(config, tp, comm) for _ in range(layer_start, layer_end)
+            )
             self.norm = RMSNorm(hidden, config.rms_norm_eps) if is_last else None
             self.lm_head = None
             if is_last and not config.tie_word_embeddings:
@@ -164,15 +191,28 @@ class LlamaStage(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """inputs: token ids [T] on the first stage, hidden states [T, hidden] after it."""
-        x = self.embed_tokens(inputs) if self.is_first else inputs
+        x = self.embed(inputs) if self.is_first else inputs
         cos_sin = self.rope.tables(batch.positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, batch)
         return x if residual is None else x.add_(residual)
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding; split by vocabulary, each rank looks up its own tokens (zeros for
+        the others) and the all-reduce adds them up (vLLM's VocabParallelEmbedding)."""
+        if self.comm is None:
+            return self.embed_tokens(token_ids)
+        start, stop = self.tp.vocab
+        mine = (token_ids >= start) & (token_ids < stop)
+        rows = self.embed_tokens((token_ids - start) * mine)
+        return self.comm.all_reduce_(rows.mul_(mine.unsqueeze(-1)))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+        """[rows, vocab] float32: with tensor parallelism, each rank's vocabulary slice
+        gathered, so every rank of the group holds all of them."""
+        logits = self.lm_head(self.norm(hidden)).float()
+        return logits if self.comm is None else self.comm.all_gather(logits)
 
     def prepare_for_inference(
         self, prepack: bool, quantized: dict[str, QuantizedWeight] | None = None
@@ -183,7 +223,7 @@ class LlamaStage(nn.Module):
         which compute on those (model/gguf_linear.py). A tied lm_head gets its own packed copy
         of the embedding: it is the largest GEMM."""
         if self.is_last and self.lm_head is None:
-            hidden, vocab = self.config.hidden_size, self.config.vocab_size
+            hidden, vocab = self.config.hidden_size, self.tp.vocab_size
             self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         if prepack:
@@ -208,7 +248,7 @@ class LlamaStage(nn.Module):
     def weight_shards(self, module_name: str) -> list[tuple[str, int]]:
         """checkpoint_shards of a linear layer's weight; a tied lm_head's is the embedding."""
         if module_name == "lm_head" and self.config.tie_word_embeddings:
-            return [("model.embed_tokens.weight", self.config.vocab_size)]
+            return [("model.embed_tokens.weight", self.tp.vocab_size)]
         return self.checkpoint_shards(f"{module_name}.weight")
 
     # ---- weights ---------------------------------------------------------------------------
@@ -284,5 +324,13 @@ class LlamaStage(nn.Module):
             for name, rows in self.checkpoint_shards(local_name):
                 key = zlib.crc32(name.encode())
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + key)
-                parts.append(torch.randn((rows, *param.shape[1:]), generator=generator) * 0.02)
+                # Drawn whole, then this rank's part: any tensor-parallel size, same model.
+                shape = [rows, *param.shape[1:]]
+                shard = self.tp.weight_shard(name)
+                if shard is not None:
+                    shape[shard.dim] = shard.full
+                part = torch.randn(shape, generator=generator) * 0.02
+                if shard is not None:
+                    part = part.narrow(shard.dim, shard.start, shard.stop - shard.start)
+                parts.append(part)
             self._set_parameter(local_name, torch.cat(parts))

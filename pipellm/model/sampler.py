@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
+
 import torch
 
 from pipellm.model.logits_rules import RowRules, apply_logits_rules
 from pipellm.protocol import Logprobs
 from pipellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of one output position: (seed, position) hashed into 63 bits.
+
+    Any integer the API accepts works (2**70, -1, ...): torch's manual_seed takes 64 bits at
+    most, and arithmetic such as seed * K + position overflowed it and killed the stage.
+    """
+    seed_bytes = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
+    digest = hashlib.blake2b(seed_bytes + position.to_bytes(8, "little"), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -33,7 +49,7 @@ def _random_token(
     generator = fallback
     if params.seed is not None:
         # Seeded per (seed, position): reproducible whatever the batch or preemptions.
-        generator = torch.Generator().manual_seed(params.seed * 1_000_003 + position)
+        generator = torch.Generator().manual_seed(position_seed(params.seed, position))
     # Exponential race = sampling from probs (the Gumbel-max trick in another form).
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())
@@ -45,23 +61,56 @@ def sample(
     positions: list[int],
     generator: torch.Generator,
     rules: list[RowRules | None] | None = None,
-) -> tuple[list[int], list[Logprobs | None]]:
+) -> tuple[list[int], list[Logprobs | None], dict[int, str]]:
     """logits: [S, V] float32; one SamplingParams and output position per row; `rules` gives
     the rows with logits rules (penalties, logit_bias, ...) what they read. Logprobs are the
-    raw model's, as vLLM reports by default."""
-    processed = apply_logits_rules(logits, rules) if rules else logits
+    raw model's, as vLLM reports by default.
+
+    Returns tokens, logprobs, and {row: error} for rows whose sampling raised: one request's
+    failure must fail that request only, never the stage that serves every other one.
+    """
+    failed: dict[int, str] = {}
+    processed = _apply_rules(logits, rules, failed) if rules else logits
     tokens = processed.argmax(-1).tolist()  # greedy rows are done here, in one call
-    for row, p in enumerate(params):
-        if not p.greedy:
-            tokens[row] = _random_token(processed[row], p, positions[row], generator)
     logprobs: list[Logprobs | None] = [None] * len(params)
-    wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
-    if wanted:
-        all_logprobs = logits[wanted].log_softmax(-1)
-        for i, row in enumerate(wanted):
-            pairs: list[tuple[int, float]] = []
-            if params[row].logprobs:
-                top = all_logprobs[i].topk(params[row].logprobs)
-                pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            logprobs[row] = (float(all_logprobs[i, tokens[row]]), pairs)
-    return tokens, logprobs
+    for row, p in enumerate(params):
+        if row in failed:
+            continue
+        try:
+            if not p.greedy:
+                tokens[row] = _random_token(processed[row], p, positions[row], generator)
+            if p.logprobs is not None:
+                logprobs[row] = _logprobs(logits[row], tokens[row], p.logprobs)
+        except Exception as error:
+            logger.exception("sampling failed for one request (row %d of %d)", row, len(params))
+            failed[row] = f"sampling failed: {type(error).__name__}"
+    return tokens, logprobs, failed
+
+
+def _logprobs(logits: torch.Tensor, token: int, num_top: int) -> Logprobs:
+    """The sampled token's logprob and the top num_top (token, logprob) pairs."""
+    row = logits.log_softmax(-1)
+    pairs: list[tuple[int, float]] = []
+    if num_top:
+        top = row.topk(num_top)
+        pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return float(row[token]), pairs
+
+
+def _apply_rules(
+    logits: torch.Tensor, rules: list[RowRules | None], failed: dict[int, str]
+) -> torch.Tensor:
+    """The logits rules of the whole batch at once; if that raises, row by row, so that only
+    the rows whose rules raise fail (marked in `failed`, their raw logits kept)."""
+    try:
+        return apply_logits_rules(logits, rules)
+    except Exception:
+        logger.exception("logits rules failed for a micro-batch; retrying row by row")
+    rows = []
+    for row, rule in enumerate(rules):
+        try:
+            rows.append(apply_logits_rules(logits[row : row + 1], [rule]))
+        except Exception as error:
+            failed[row] = f"applying logits rules failed: {type(error).__name__}"
+            rows.append(logits[row : row + 1])
+    return torch.cat(rows)

@@ -51,6 +51,7 @@ class Tokenizer:
         Encode a rendered chat template with add_special_tokens=False: the template writes
         its own BOS.
         """
+        check_unicode(text)
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         # GGUF files state add_bos_token instead of a post-processor that adds it; in Hugging
         # Face folders tokenizer.json's post-processor has usually added it already.
@@ -58,6 +59,12 @@ class Tokenizer:
         if wants_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token as stored; a token decodes to at most
+        this many (byte-level tokens store one character per byte)."""
+        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -84,6 +91,19 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id)
+
+
+def check_unicode(text: str) -> None:
+    """Raises ValueError if text holds a lone surrogate (JSON allows "\\ud800" alone; UTF-8
+    cannot encode it, and the tokenizer would fail with a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"the text is not valid Unicode: a lone surrogate U+{ord(text[error.start]):04X} "
+            f"at character {error.start}; send UTF-8 text (in JSON, \\ud800-\\udfff escapes "
+            "only as high-low pairs)"
+        ) from None
 
 
 @functools.cache

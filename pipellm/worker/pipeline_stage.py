@@ -2,6 +2,12 @@
 
 Backends (mp processes, Ray actors) only deliver each SchedulerOutput to `step`; the stage
 itself receives hidden states from the previous stage and sends its own to the next one.
+
+With tensor parallelism T, the T x P ranks are numbered stage-major (rank = stage * T + tp
+rank) and each stage's T ranks form a group (parallel/tp_group.py). After each layer's
+all-reduce every rank of a stage holds the whole hidden states, so rank t of a stage sends
+them straight to rank t of the next: T transfers side by side and no broadcast inside the
+receiving stage (docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipellm.config import EngineConfig
+from pipellm.parallel.tp_group import make_tensor_parallel_comm
 from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.process_group import Rendezvous, join_pipeline_group
 from pipellm.worker.worker import StageWorker
@@ -31,27 +38,33 @@ class PipelineStage:
     ) -> None:
         torch.set_num_threads(config.threads_per_stage)
         self.rank, self.num_stages = rank, config.pipeline_parallel_size
-        stage = config.stage(rank)  # a pipeline-only group: the rank is the stage index
-        self.is_first, self.is_last = stage.is_first, stage.is_last
-        self._group = join_pipeline_group(rendezvous, rank, self.num_stages, listener)
-        self.worker = StageWorker(config, rank)
+        self.tp_size = config.tensor_parallel_size
+        self.stage, tp_rank = divmod(rank, self.tp_size)  # ranks are stage-major
+        spec = config.stage(self.stage)
+        self.is_first, self.is_last = spec.is_first, spec.is_last
+        world_size = self.num_stages * self.tp_size
+        self._group = join_pipeline_group(rendezvous, rank, world_size, listener)
+        self.comm = make_tensor_parallel_comm(self.num_stages, self.tp_size, self.stage)
+        self.worker = StageWorker(config, self.stage, tp_rank, self.comm)
         self.hidden_size = config.model_config.hidden_size
         self.dtype = config.torch_dtype
         self.pending_sends: deque[tuple[list[dist.Work], list[torch.Tensor]]] = deque()
 
     def step(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:
-        """Runs one micro-batch through this stage; the last stage returns its output."""
+        """Runs one micro-batch through this stage; the last stage's sampling rank returns
+        its output."""
         hidden_in, times = None, torch.empty(0, 2, dtype=torch.float64)
         if not self.is_first:
             hidden_in = torch.empty(scheduler_output.num_tokens, self.hidden_size, dtype=self.dtype)
-            times = torch.empty(self.rank, 2, dtype=torch.float64)
-            dist.recv(hidden_in, src=self.rank - 1)
-            dist.recv(times, src=self.rank - 1)
+            times = torch.empty(self.stage, 2, dtype=torch.float64)
+            dist.recv(hidden_in, src=self.rank - self.tp_size)
+            dist.recv(times, src=self.rank - self.tp_size)
         started = time.time()  # busy time starts when the inputs are here
         output = self.worker.execute(scheduler_output, hidden_in)
         times = torch.cat([times, torch.tensor([[started, time.time()]], dtype=torch.float64)])
         if self.is_last:
-            output.stage_times = [tuple(t) for t in times.tolist()]
+            if output is not None:
+                output.stage_times = [tuple(t) for t in times.tolist()]
             return output
         self._send_async([output, times])
         return None
@@ -60,12 +73,14 @@ class PipelineStage:
         for works, _ in self.pending_sends:
             for work in works:
                 work.wait()
+        if self.comm is not None:
+            self.comm.close()
         dist.destroy_process_group()
 
     def _send_async(self, tensors: list[torch.Tensor]) -> None:
         """Sends without waiting for the next stage to be ready for it."""
         tensors = [t.contiguous() for t in tensors]
-        works = [dist.isend(t, dst=self.rank + 1) for t in tensors]
+        works = [dist.isend(t, dst=self.rank + self.tp_size) for t in tensors]
         self.pending_sends.append((works, tensors))
         while len(self.pending_sends) > MAX_PENDING_SENDS or (
             self.pending_sends and all(w.is_completed() for w in self.pending_sends[0][0])

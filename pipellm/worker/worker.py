@@ -13,6 +13,8 @@ from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
 from pipellm.model.sampler import sample
+from pipellm.model.tp_plan import plan_tensor_parallel
+from pipellm.parallel.comm import TensorParallelComm
 from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from pipellm.worker.model_runner import ModelRunner
@@ -41,19 +43,31 @@ def keep_freed_memory() -> None:
 
 
 class StageWorker:
-    def __init__(self, config: EngineConfig, stage_index: int) -> None:
+    """One stage, or with tensor parallelism one rank of it: `comm` joins the stage's ranks,
+    each of which holds and loads only its share of the weights and KV heads."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        stage_index: int,
+        tp_rank: int = 0,
+        comm: TensorParallelComm | None = None,
+    ) -> None:
         keep_freed_memory()
         cpu_kernels_available()  # build or load them now, not in the first step
         self.config = config
         self.stage = stage = config.stage(stage_index)
         self.is_first, self.is_last = stage.is_first, stage.is_last
+        self.samples = self.is_last and tp_rank == 0  # one rank of the last stage samples
         mc = config.model_config
-        self.model = LlamaStage(mc, stage, config.torch_dtype)
+        tp = plan_tensor_parallel(mc, config.tensor_parallel_size, tp_rank)
+        shard_of = tp.weight_shard
+        self.model = LlamaStage(mc, stage, config.torch_dtype, tp, comm)
         # GGUF weights the kernel takes as stored are never dequantized: the load's peak
         # memory is then the quantized model, not the float32 one.
         quantized = {}
         if config.quantization == "gguf" and cpu_kernels_available():
-            checkpoint = iter_quantized_weights(config.source, mc, stage)
+            checkpoint = iter_quantized_weights(config.source, mc, stage, shard_of)
             quantized = self.model.quantized_linears(dict(checkpoint))
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
@@ -62,12 +76,12 @@ class StageWorker:
             if self.is_first:
                 skip.discard("model.embed_tokens.weight")  # the lookup needs its float32 rows
             self.model.load_weights(
-                iter_weights(config.source, mc, stage, config.torch_dtype, skip),
+                iter_weights(config.source, mc, stage, config.torch_dtype, skip, shard_of),
                 skipped=skip,
             )
         self.model.prepare_for_inference(prepack=True, quantized=quantized)
         self.model.eval()
-        cache_shape = (config.num_kv_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
+        cache_shape = (config.num_kv_blocks, config.block_size, tp.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(cache_shape, dtype=config.cache_dtype),
@@ -82,8 +96,9 @@ class StageWorker:
     @torch.inference_mode()
     def execute(
         self, scheduler_output: SchedulerOutput, hidden_in: torch.Tensor | None = None
-    ) -> torch.Tensor | ModelOutput:
-        """Runs this stage's layers; the last stage samples and returns a ModelOutput."""
+    ) -> torch.Tensor | ModelOutput | None:
+        """Runs this stage's layers; the last stage samples and returns a ModelOutput (with
+        tensor parallelism, its rank 0; the other ranks return None)."""
         self.runner.update_states(scheduler_output)
         if self.token_counts is not None:
             self.token_counts.update(scheduler_output)
@@ -95,18 +110,22 @@ class StageWorker:
             scheduler_output, batch, hidden, self.runner.requests, self.model.compute_logits
         )
         sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
-        tokens, logprobs = [], None
+        tokens, logprobs, failed = [], None, {}
         if sampled:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # all TP ranks
+            if not self.samples:
+                return None
             items = [scheduler_output.requests[i] for i in sampled]
             params = [self.runner.requests[item.request_id].sampling_params for item in items]
             positions = [item.num_output_tokens for item in items]
             rules = [self._row_rules(item, p) for item, p in zip(items, params, strict=True)]
-            tokens, logprobs = sample(logits, params, positions, self.generator, rules)
+            tokens, logprobs, failed = sample(logits, params, positions, self.generator, rules)
             if all(lp is None for lp in logprobs):
                 logprobs = None
+        if not self.samples:
+            return None
         return ModelOutput(
-            scheduler_output.micro_batch_id, tokens, logprobs, prompt_logprobs=prompt
+            scheduler_output.micro_batch_id, tokens, logprobs, prompt_logprobs=prompt, failed=failed
         )
 
     def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:

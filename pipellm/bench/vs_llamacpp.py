@@ -17,8 +17,8 @@ Configurations: `pipellm` (its kernels, GGUF weights as stored: the defaults), `
 (pipellm with PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the
 prefill reference) and `llamacpp`.
 
-    cpulock bench .venv/bin/python bench/vs_llamacpp.py               # 2 threads, 3 rounds
-    .venv/bin/python bench/vs_llamacpp.py --threads 1 --rounds 1 --workloads single
+    cpulock bench .venv/bin/python -m pipellm.bench.vs_llamacpp               # 2 threads, 3 rounds
+    .venv/bin/python -m pipellm.bench.vs_llamacpp --threads 1 --rounds 1 --workloads single
 """
 
 from __future__ import annotations

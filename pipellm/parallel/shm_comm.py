@@ -1,0 +1,114 @@
+"""The shared-memory communicator of a tensor-parallel group whose ranks share a host.
+
+The collectives are C++ (shm_comm.cpp, its header says how the lock-free handshake works),
+built once like pipellm's CPU kernels and cached under $TORCH_EXTENSIONS_DIR. No segment
+outlives its group: rank 0 creates it under a name holding its pid, every rank maps it, and
+rank 0 removes the name as soon as all have (a gloo barrier), so the memory goes away with
+the last process, however it ends. A rank that dies between creation and that barrier leaves
+a name behind: the next group on the host removes names whose creator pid is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+from pathlib import Path
+from types import ModuleType
+
+import psutil
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("shm_comm.cpp")
+PREFIX = "pipellm-tp-"  # segment names: pipellm-tp-<creator pid>-<stage>-<random>
+SHM_DIR = Path("/dev/shm")
+# Bytes of one rank's slot (two per rank): a decode step's all-reduce ([16, 576] float32,
+# 36 KiB) fits many times; a long prefill's goes through in chunks.
+SLOT_BYTES = 1 << 20
+
+
+@functools.cache
+def _library() -> ModuleType | None:
+    if os.name != "posix":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(
+            name="pipellm_shm_comm",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-mavx2"],
+            extra_ldflags=["-lrt"],
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, not x86: gloo instead
+        logger.warning("shared-memory all-reduce unavailable (%s); using gloo", error)
+        return None
+
+
+def shm_comm_available() -> bool:
+    return _library() is not None
+
+
+def remove_stale_segments() -> list[str]:
+    """Removes the segment names left by groups whose creating process is gone."""
+    removed = []
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        try:
+            pid = int(path.name[len(PREFIX) :].split("-")[0])
+        except ValueError:
+            continue
+        if not psutil.pid_exists(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+class ShmComm:
+    """all_reduce_ and all_gather over one shared-memory segment per tensor-parallel group."""
+
+    def __init__(self, handle: int, size: int, rank: int) -> None:
+        self._lib = _library()
+        self.handle, self.size, self.rank = handle, size, rank
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, ranks: list[int], stage: int) -> ShmComm:
+        """Collective over `group`: rank 0 makes the segment, all map it, rank 0 unlinks it."""
+        lib = _library()
+        size, rank = len(ranks), ranks.index(dist.get_rank())
+        names = [None]
+        if rank == 0:
+            remove_stale_segments()
+            names = [f"/{PREFIX}{os.getpid()}-{stage}-{secrets.token_hex(4)}"]
+            handle = lib.open(names[0], True, size, rank, SLOT_BYTES)
+        dist.broadcast_object_list(names, src=ranks[0], group=group)
+        if rank != 0:
+            handle = lib.open(names[0], False, size, rank, SLOT_BYTES)
+        dist.barrier(group=group)
+        if rank == 0:
+            lib.unlink(names[0])  # all mapped: the memory now lives exactly as long as they do
+        return cls(handle, size, rank)
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous():
+            self._lib.all_reduce_(self.handle, x)
+            return x
+        summed = x.contiguous()
+        self._lib.all_reduce_(self.handle, summed)
+        return x.copy_(summed)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty(self.size, *x.shape)
+        self._lib.all_gather(self.handle, x, out)
+        # [size, ..., w] -> [..., size * w]: each row's parts side by side, in rank order.
+        return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def close(self) -> None:
+        if self.handle:
+            self._lib.close(self.handle)
+            self.handle = 0

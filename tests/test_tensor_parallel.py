@@ -1,0 +1,120 @@
+"""Tensor parallelism: the same greedy tokens on any TP x PP grid, each rank 1/T of the weights,
+clear refusals before any process starts, and a shared-memory all-reduce that leaks nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipellm import LLM, SamplingParams
+from pipellm.config import ConfigError, EngineConfig
+from pipellm.loader.weights import iter_quantized_weights, iter_weights
+from pipellm.model.llama import LlamaStage
+from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
+from tests.checkpoints import make_tiny_checkpoint
+
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[3 + (i * 7 + j) % 290 for j in range(5 + 9 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory):
+    """GQA with one KV head: with T = 2 both ranks hold it, each with 2 of the 4 query heads."""
+    directory = make_tiny_checkpoint(tmp_path_factory.mktemp("kv1"), num_kv_heads=1)
+    with LLM(str(directory)) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    return directory, expected
+
+
+def _tokens(directory, tp: int, pp: int, **kwargs) -> list[list[int]]:
+    args = dict(max_num_seqs=4, max_num_batched_tokens=32, num_threads=1, **kwargs)
+    with LLM(str(directory), tensor_parallel_size=tp, pipeline_parallel_size=pp, **args) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+def test_same_tokens_on_every_grid(one_kv_head, reaped, tp, pp):
+    directory, expected = one_kv_head
+    assert _tokens(directory, tp, pp) == expected
+
+
+def test_heads_split_by_key_value_groups_with_biases(tmp_path, reaped):
+    """Qwen2 (q/k/v biases), 2 KV heads over 2 ranks: each rank its own KV head."""
+    directory = make_tiny_checkpoint(tmp_path, arch="qwen2")
+    with LLM(str(directory)) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert _tokens(directory, 2, 1) == expected
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _loaded_stage(config: EngineConfig, tp_size: int, rank: int) -> LlamaStage:
+    mc = config.model_config
+    plan = plan_tensor_parallel(mc, tp_size, rank)
+    model = LlamaStage(mc, 0, mc.num_hidden_layers, True, True, torch.float32, plan)
+    weights = iter_weights(
+        config.source, mc, 0, mc.num_hidden_layers, True, True, torch.float32, (), plan.weight_shard
+    )
+    model.load_weights(weights)
+    return model
+
+
+def test_each_rank_loads_its_share_of_the_weights(tmp_path):
+    directory = make_tiny_checkpoint(tmp_path, arch="qwen2", num_layers=2)
+    config = EngineConfig(str(directory), tensor_parallel_size=2, num_threads=1)
+    whole = _loaded_stage(config, 1, 0)
+    ranks = [_loaded_stage(config, 2, r) for r in range(2)]
+    norms = sum(p.numel() * 4 for n, p in whole.named_parameters() if "norm" in n)
+    for model in ranks:  # everything but the norms is split in two
+        assert _param_bytes(model) - norms == (_param_bytes(whole) - norms) // 2
+    # Rank 1 holds the second half of the query rows, KV head 1, the second half of the MLP
+    # columns and of the vocabulary, and o_proj's / down_proj's matching input columns.
+    full, part = whole.layers[1], ranks[1].layers[1]
+    qkv_full = full.self_attn.qkv_proj.weight.split([64, 32, 32])
+    qkv_part = part.self_attn.qkv_proj.weight.split([32, 16, 16])
+    for a, b in zip(qkv_full, qkv_part, strict=True):
+        assert torch.equal(a[a.shape[0] // 2 :], b)
+    assert torch.equal(full.self_attn.o_proj.weight[:, 32:], part.self_attn.o_proj.weight)
+    assert torch.equal(full.mlp.down_proj.weight[:, 64:], part.mlp.down_proj.weight)
+    assert torch.equal(whole.embed_tokens.weight[150:], ranks[1].embed_tokens.weight)
+    assert part.self_attn.o_proj.bias is None  # added once, by rank 0
+
+
+def test_gguf_ranks_take_whole_blocks():
+    """SmolLM2's Q4_1 blocks: a rank's rows are the file's rows; its down_proj columns are
+    whole 32-value blocks, the same bytes as the matching part of the whole rows."""
+    config = EngineConfig(tensor_parallel_size=2, num_threads=1)
+    mc = config.model_config
+
+    def layer0(shard_of=lambda name: None):
+        return dict(iter_quantized_weights(config.source, mc, 0, 1, False, False, shard_of))
+
+    whole = layer0()
+    plan = plan_tensor_parallel(mc, 2, 1)  # KV head 2 and query heads 6-8; MLP 768-1535
+    part = layer0(plan.weight_shard)
+    down = "model.layers.0.mlp.down_proj.weight"
+    bytes_per_row = whole[down].blocks.shape[1]
+    assert torch.equal(part[down].blocks, whole[down].blocks[:, bytes_per_row // 2 :])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(part[q].blocks, whole[q].blocks[6 * 64 :])
+
+
+def test_wrong_settings_fail_before_any_process_starts(tmp_path, monkeypatch):
+    directory = make_tiny_checkpoint(tmp_path)  # 4 query / 2 KV heads, MLP 128, vocab 300
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 cannot split 4 query heads"):
+        EngineConfig(str(directory), tensor_parallel_size=3, num_threads=1)
+    mc = EngineConfig(str(directory)).model_config
+    with pytest.raises(TensorParallelError, match="intermediate_size 129 is not divisible"):
+        plan_tensor_parallel(dataclasses.replace(mc, intermediate_size=129), 2, 0)
+    with pytest.raises(TensorParallelError, match="vocabulary \\(301 tokens\\)"):
+        plan_tensor_parallel(dataclasses.replace(mc, vocab_size=301), 2, 0)
+    with pytest.raises(ConfigError, match="distributed_executor_backend='uni'.*use mp"):
+        EngineConfig(str(directory), tensor_parallel_size=2, distributed_executor_backend="uni")
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    with pytest.raises(ConfigError, match="4 processes, more than the 2 cores.*--num-threads"):
+        EngineConfig(str(directory), tensor_parallel_size=2, pipeline_parallel_size=2)
+    EngineConfig(str(directory), tensor_parallel_size=2, pipeline_parallel_size=2, num_threads=1)
