@@ -102,7 +102,7 @@ def run_with_recorder(
     recorder.core = core
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     next_id = 0
-    # Keep 8 requests open, like a client with max concurrency 8 (the seed's workload).
+    # Keep 8 requests open, like a client with max concurrency 8 (vLLM issue #27462's workload).
     while next_id < num or core.has_unfinished_requests():
         while next_id < num and len(core.scheduler.requests) < 8:
             core.add_request(str(next_id), [5] * prompt_len, params)

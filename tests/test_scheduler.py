@@ -210,7 +210,7 @@ def test_balanced_micro_batches_are_capped_when_the_pipeline_can_be_full():
         add(scheduler, str(i), prompt_len=1000, max_tokens=4)
     sizes = [out.num_tokens for out in run(scheduler, depth=2) if len(out.requests) > 1]
     assert max(sizes) == 300
-    # Without balancing the cap does not apply: the seed's one big micro-batch.
+    # Without balancing the cap does not apply: the one big micro-batch of vLLM before issue #27462.
     unbalanced = two_stage_scheduler(pp_microbatch_tokens=300, pp_balance=False)
     for i in range(6):
         add(unbalanced, str(i), prompt_len=1000, max_tokens=4)

@@ -1,4 +1,4 @@
-"""`pipellm serve` as processes: pipeline stages, the seed's command line, a killed engine,
+"""`pipellm serve` as processes: pipeline stages, vLLM issue #27462's command line, a killed engine,
 signals, startup failures and flag errors. Every test checks that no process outlives it."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(150)
 
 SMALL_KV_CACHE = ["--kv-cache-memory", str(16 * 2**20)]
 PROMPT = "Pipeline parallelism keeps"
-# The seed's command line (`vllm serve MODEL ...`), flags unchanged.
+# vLLM issue #27462's command line (`vllm serve MODEL ...`), flags unchanged.
 SEED_FLAGS = (
     "--trust-remote-code --host 0.0.0.0 --port 8000 --pipeline-parallel-size 8 "
     "--tensor-parallel-size 1 --max-num-seqs 8 --max-cudagraph-capture-size 8 --max-model-len 4042 "

@@ -39,7 +39,9 @@ def test_seed_scenario_before_and_after(tmp_path):
     model = str(make_tiny_checkpoint(tmp_path / "m", num_layers=8))
     before = run_seed_workload(model, balance=False).pipeline_stats.summary()
     after = run_seed_workload(model, balance=True).pipeline_stats.summary()
-    assert before["max_queue_depth"] == 1, "the seed's 'before': one micro-batch at a time"
+    assert before["max_queue_depth"] == 1, (
+        "unbalanced (vLLM before #27462): one micro-batch at a time"
+    )
     assert after["max_queue_depth"] == 8, "balanced: every stage has its own micro-batch"
     assert len(after["stage_busy_fraction"]) == 8
 

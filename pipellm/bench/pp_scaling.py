@@ -1,9 +1,9 @@
-"""The seed's experiment scaled to this machine: does pipeline parallelism run in parallel?
+"""vLLM issue #27462's experiment scaled to this machine: does pipeline parallelism run in parallel?
 
 SmolLM2-135M, max_num_seqs 8, NUM requests of INPUT random tokens -> OUTPUT new tokens, kept
-8 at a time by a closed-loop client (the seed: 4000 -> 32, concurrency 8). Configurations,
+8 at a time by a closed-loop client (vLLM issue #27462: 4000 -> 32, concurrency 8). Configurations,
 run alternately A B C D A B C D ... so machine noise hits all of them alike:
-  (a) P=1, 1 thread          (b) P=2, --no-pp-balance (the seed's "before")
+  (a) P=1, 1 thread          (b) P=2, --no-pp-balance (as vLLM before #27462)
   (c) P=2, balanced          (d) P=1, 2 threads
 Cluster columns, on a real two-host Ray cluster (--two-hosts builds one on this machine: two
 network namespaces joined by a veth pair, a Ray node with 1 CPU in each; root needed), one

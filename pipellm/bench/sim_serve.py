@@ -1,9 +1,10 @@
-"""The seed's experiment itself, 8 pipeline stages, on a laptop: the sim backend models the
-stages (real scheduler, batch queue, server and benchmark; no model compute).
+"""The experiment of vLLM issue #27462 itself, 8 pipeline stages, on a laptop: the sim backend
+models the stages (real scheduler, batch queue, server and benchmark; no model compute).
 
-Runs the seed's `serve` command line with `--distributed-executor-backend sim`, once as the
-seed's "before" (--no-pp-balance) and once balanced, each loaded by the seed's
-`bench serve` command line; prints both tables in the seed's layout, then the ratios.
+Runs the issue's `serve` command line with `--distributed-executor-backend sim`, once as vLLM
+ran before its fix (--no-pp-balance: the whole batch in one micro-batch) and once balanced,
+each loaded by the issue's `bench serve` command line; prints both tables in the issue's
+layout, then the ratios.
 
   .venv/bin/python -m pipellm.bench.sim_serve [--num-prompts 256 --num-warmups 20 --sim-speedup 4]
 """

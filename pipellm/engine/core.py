@@ -1,8 +1,9 @@
 """The engine loop: keep up to P micro-batches in flight, apply outputs in submission order.
 
-This is the seed's fix in one place. While the batch queue has room and the scheduler can form
-a micro-batch, submit it without waiting; only when the queue is full, or nothing more can be
-scheduled, block on the *oldest* in-flight micro-batch and apply its output.
+This is the fix of vLLM issue #27462 in one place. While the batch queue has room and the
+scheduler can form a micro-batch, submit it without waiting; only when the queue is full, or
+nothing more can be scheduled, block on the *oldest* in-flight micro-batch and apply its
+output.
 """
 
 from __future__ import annotations

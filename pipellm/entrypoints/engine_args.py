@@ -86,7 +86,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-pp-balance",
         dest="pp_balance",
         action="store_false",
-        help="send requests to stages unbalanced, as before the seed's fix (for measuring)",
+        help="send requests to stages unbalanced, the whole batch in one micro-batch, as vLLM did "
+        "before the fix of its issue #27462 (for measuring)",
     )
     g.add_argument(
         "--pp-microbatch-tokens",
