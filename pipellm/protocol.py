@@ -108,3 +108,80 @@ class EngineStats:
     pipeline: dict[str, float | list[float]]
     stage_busy_seconds_total: list[float]
     pipeline_active_seconds_total: float
+
+
+# ---- the engine core process's pipe (engine/core_process.py) ---------------------------------
+# API process -> engine core
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class StatsRequest:
+    token: int  # echoed in the StatsReply, so concurrent callers get their own
+
+
+@dataclass
+class Shutdown:
+    """Stop serving, reap the stages, exit."""
+
+
+# engine core -> API process
+
+
+@dataclass
+class CoreReady:
+    pid: int
+
+
+@dataclass
+class Outputs:
+    outputs: list[EngineOutput]
+
+
+@dataclass
+class Rejected:
+    """The engine refused a request before scheduling it (a ValueError: the client's fault)."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass
+class StatsReply:
+    token: int
+    stats: EngineStats
+
+
+@dataclass
+class CoreDead:
+    """The engine core failed (or failed to start); the process exits after saying so."""
+
+    reason: str
+
+
+ToCore = AddRequest | AbortRequests | StatsRequest | Shutdown
+FromCore = CoreReady | Outputs | Rejected | StatsReply | CoreDead
+
+
+# ---- a stage process's pipe (executor/mp.py), besides SchedulerOutput in, ModelOutput out ----
+
+
+@dataclass
+class StageReady:
+    """The stage loaded its weights and joined its process groups."""
+
+
+@dataclass
+class StageFailed:
+    traceback: str  # logged by the engine; only its last line travels on to clients
