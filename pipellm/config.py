@@ -7,6 +7,7 @@ Names follow vLLM's engine arguments, so `LLM(model, max_num_seqs=8, ...)` and
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field, fields
 
@@ -19,6 +20,8 @@ from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
 from pipellm.model.stage_spec import StageSpec, stage_specs
 from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -62,7 +65,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes of KV cache over all stages (CPU)
-    gpu_memory_utilization: float = 0.9
+    # vLLM's GPU settings, accepted so vLLM scripts and command lines run unchanged; pipellm
+    # runs on CPU, where they do nothing (a warning says so; kv_cache_memory sizes the cache).
+    gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
@@ -130,8 +135,16 @@ class EngineConfig:
         self._check_cores()
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             _fail("kv_cache_memory", self.kv_cache_memory, "use a positive number of bytes")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use a value in (0, 1]")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use (0, 1]")
+            if DEVICE != "cuda":
+                logger.warning(
+                    "gpu_memory_utilization has no effect on CPU; kv_cache_memory (CLI: "
+                    "--kv-cache-memory) sizes the KV cache"
+                )
+        if self.max_cudagraph_capture_size is not None and DEVICE != "cuda":
+            logger.warning("max_cudagraph_capture_size has no effect on CPU; ignored")
         if self.pp_chunk_sizing not in ("fixed", "cost"):
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
         if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:

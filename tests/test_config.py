@@ -125,3 +125,13 @@ def test_a_visible_gpu_does_not_change_the_cpu_defaults(tiny, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = EngineConfig(model=str(tiny))
     assert config.torch_dtype == torch.float32
+
+
+def test_gpu_only_settings_are_accepted_with_a_warning_and_change_nothing(tiny, caplog):
+    """vLLM scripts pass gpu_memory_utilization; on CPU it must neither fail nor be silently
+    taken as a cache size: kv_cache_memory alone sizes the KV cache."""
+    plain = EngineConfig(model=tiny, load_format="dummy")
+    with caplog.at_level("WARNING", logger="pipellm.config"):
+        gpu = EngineConfig(model=tiny, load_format="dummy", gpu_memory_utilization=0.5)
+    assert "gpu_memory_utilization has no effect on CPU" in caplog.text
+    assert gpu.num_kv_blocks == plain.num_kv_blocks
