@@ -25,8 +25,9 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 
 from pipellm.config import EngineConfig
-from pipellm.executor.base import Executor, WorkerDiedError
+from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
+from pipellm.executor.remote import RemoteStagesExecutor
 from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady
 from pipellm.worker.net import LOOPBACK, free_port
 
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteStagesExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self.num_stages = config.pipeline_parallel_size
         # One process per tensor-parallel rank of each stage; rank 0 of the last stage samples.
@@ -150,18 +151,10 @@ class MultiprocExecutor(Executor):
         self._pending.fail(f"pipeline stage {rank} failed: {last_line[:200]}", log=False)
 
     def check_health(self) -> None:
-        if self._pending.dead:
-            raise WorkerDiedError(self._pending.dead)
+        self._raise_if_dead()
         for rank, process in enumerate(self.processes):
             if not process.is_alive():
                 raise WorkerDiedError(f"pipeline stage {rank} is not running")
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._pending.fail("the executor was shut down", log=False)
-        self._finalizer()
 
 
 def _reap(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
