@@ -136,7 +136,7 @@ def test_seed_command_line_starts_and_sigterm_reaps_everything(tmp_path_factory)
         assert server.process.returncode == 0, server.log[-3000:]
         assert survivors == []
         stream.close()
-    for flag in ("--max-cudagraph-capture-size", "--gpu-memory-utilization", "--trust-remote-code"):
+    for flag in ("max_cudagraph_capture_size", "gpu_memory_utilization", "--trust-remote-code"):
         assert server.log.count(flag) == 1, f"{flag} is not reported once"
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events if e["ph"] == "X"} == set(range(8))

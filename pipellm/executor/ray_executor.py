@@ -161,12 +161,12 @@ class RayExecutor(RemoteStagesExecutor):
         gone = []
         for rank, ping in enumerate(pings):
             if ping not in ready:
-                gone.append(f"stage {rank} ({self._where(rank)}) does not answer")
+                gone.append(f"pipeline stage {rank} ({self._where(rank)}) does not answer")
                 continue
             try:
                 ray.get(ping)
             except Exception as error:
-                gone.append(f"stage {rank} ({self._where(rank)}) is gone: {_cause(error)}")
+                gone.append(f"pipeline stage {rank} ({self._where(rank)}) is gone: {_cause(error)}")
         self._pending.fail("; ".join([reason, *gone]))
 
     def _deliver(self, done: Future[Any]) -> None:
