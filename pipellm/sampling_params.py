@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pipellm.structured_outputs import StructuredOutputsParams
 
 
 @dataclass
@@ -33,6 +36,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     bad_words: list[str] = field(default_factory=list)
+    # The constraint the text must follow (JSON schema, regex, choice, grammar); a dict is
+    # taken as StructuredOutputsParams' fields.
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     # Filled by the engine (`resolve`): the tokens min_tokens holds back (EOS unless ignored,
     # plus stop_token_ids) and each bad word's token ids, with and without a leading space.
     all_stop_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
@@ -47,6 +53,11 @@ class SamplingParams:
             self.top_k = 0
         self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()} or None
         self.bad_words = [w for w in (self.bad_words or []) if w.strip()]
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as error:  # an unknown field
+                raise ValueError(f"invalid structured_outputs: {error}") from None
         checks = [
             (1 <= self.n <= 128, "n", self.n, "use a value in [1, 128]"),
             (self.temperature >= 0, "temperature", self.temperature, "use a value >= 0"),

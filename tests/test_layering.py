@@ -13,6 +13,7 @@ ROOT = Path(pipellm.__file__).parent
 
 # Bottom first. A unit is a subpackage of pipellm, a top-level module, or pipellm's __init__.
 LAYERS = [
+    "structured_outputs",  # a structured-output constraint, as a user states it
     "sampling_params",  # what a user asks for
     "protocol",  # the messages between engine, executors and stages
     "kernels",  # C++ CPU kernels

@@ -11,6 +11,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipellm.sampling_params import SamplingParams
+from pipellm.structured_outputs import (
+    CONSTRAINTS,
+    StructuredOutputsError,
+    StructuredOutputsParams,
+)
 
 
 class OpenAIError(Exception):
@@ -42,6 +47,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra field (StructuredOutputsParams): set one of json,
+    regex, choice, grammar or json_object."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text", "json_object" or "json_schema"."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class GenerationRequest(BaseModel):
     """What completions and chat share: model, sampling, stopping, streaming."""
 
@@ -70,6 +104,8 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -105,10 +141,54 @@ class GenerationRequest(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias=self._logit_bias(),
                 bad_words=self.bad_words or [],
+                structured_outputs=self._structured_outputs(),
                 **{name: value for name, value in optional.items() if value is not None},
             )
         except ValueError as error:
             raise OpenAIError(str(error)) from error
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint of structured_outputs or response_format, as vLLM merges them:
+        response_format sets the constraint, structured_outputs may add its options."""
+        given = self.structured_outputs
+        fields = given.model_dump(by_alias=True) if given is not None else {}
+        param = "structured_outputs"
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            param = "response_format"
+            if any(fields.get(name) not in (None, False) for name in CONSTRAINTS):
+                raise OpenAIError(
+                    "response_format and structured_outputs both set a constraint; give it "
+                    "in one of them",
+                    param=param,
+                )
+            if response_format.type == "json_object":
+                fields["json_object"] = True
+            elif response_format.type == "json_schema":
+                json_schema = response_format.json_schema
+                if json_schema is None or json_schema.schema_ is None:
+                    raise OpenAIError(
+                        "response_format of type json_schema needs json_schema.schema: the "
+                        "JSON schema the reply must follow",
+                        param=param,
+                    )
+                fields["json"] = json_schema.schema_
+            else:
+                _unsupported(
+                    "response_format.type",
+                    response_format.type,
+                    'use "text", "json_object" or "json_schema"',
+                )
+        if not fields:
+            return None
+        try:
+            return StructuredOutputsParams(**fields)
+        except StructuredOutputsError as error:
+            where = "response_format.json_schema.schema" if param == "response_format" else None
+            name = where or f"structured_outputs.{error.field}"
+            raise OpenAIError(f"invalid {name}: {error.reason}", param=param) from error
+        except ValueError as error:
+            raise OpenAIError(str(error), param=param) from error
 
     def _logit_bias(self) -> dict[int, float] | None:
         """Token-id keys as ints; values clamped to OpenAI's [-100, 100], as vLLM does."""

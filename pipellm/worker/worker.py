@@ -9,6 +9,7 @@ import torch
 
 from pipellm.config import EngineConfig
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.loader.source import resolve_model
 from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
@@ -17,8 +18,10 @@ from pipellm.model.tp_plan import plan_tensor_parallel
 from pipellm.parallel.comm import TensorParallelComm
 from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
+from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from pipellm.worker.model_runner import ModelRunner
 from pipellm.worker.prompt_logprobs import prompt_logprobs
+from pipellm.worker.structured_output import GrammarMasks
 
 # glibc mallopt parameters, and the values that keep freed activations in the heap.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -91,6 +94,7 @@ class StageWorker:
         ]
         self.runner = ModelRunner(config.block_size)
         self.token_counts = OutputTokenCounts(mc.vocab_size) if self.is_last else None
+        self.grammar_masks = GrammarMasks(self._tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.generator = torch.Generator().manual_seed(config.seed)
 
     @torch.inference_mode()
@@ -102,6 +106,8 @@ class StageWorker:
         self.runner.update_states(scheduler_output)
         if self.token_counts is not None:
             self.token_counts.update(scheduler_output)
+        if self.samples:
+            self.grammar_masks.update(scheduler_output)
         input_ids, batch = self.runner.prepare(scheduler_output)
         hidden = self.model(input_ids if self.is_first else hidden_in, batch, self.kv_caches)
         if not self.is_last:
@@ -119,7 +125,9 @@ class StageWorker:
             params = [self.runner.requests[item.request_id].sampling_params for item in items]
             positions = [item.num_output_tokens for item in items]
             rules = [self._row_rules(item, p) for item, p in zip(items, params, strict=True)]
+            banned = self.grammar_masks.apply(logits, items, params, self._token_ids)
             tokens, logprobs, failed = sample(logits, params, positions, self.generator, rules)
+            failed.update(banned)
             if all(lp is None for lp in logprobs):
                 logprobs = None
         if not self.samples:
@@ -127,6 +135,15 @@ class StageWorker:
         return ModelOutput(
             scheduler_output.micro_batch_id, tokens, logprobs, prompt_logprobs=prompt, failed=failed
         )
+
+    def _token_ids(self, request_id: str) -> list[int]:
+        return self.runner.requests[request_id].token_ids
+
+    def _tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (the grammar masks map text to its tokens)."""
+        config = self.config
+        source = resolve_model(config.tokenizer) if config.tokenizer else config.source
+        return load_tokenizer(source)
 
     def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
         if not params.has_logits_rules:
