@@ -124,13 +124,11 @@ class EngineConfig:
             _fail("distributed_executor_backend", "ray", "install Ray: pip install 'pipellm[ray]'")
         if self.distributed_executor_backend == "uni" and self.pipeline_parallel_size > 1:
             _fail("distributed_executor_backend", "uni", "pipeline stages need mp, ray or sim")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend != "mp":
-            # NOTE: the Ray backend places one actor per stage; its TP ranks are not wired yet.
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend not in ("mp", "ray"):
             _fail(
                 "distributed_executor_backend",
                 self.distributed_executor_backend,
-                "tensor_parallel_size > 1 runs one process per rank, with the mp backend only "
-                "so far: use mp",
+                "tensor_parallel_size > 1 runs one process per rank: use mp or ray",
             )
         self._check_cores()
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -1,4 +1,5 @@
-"""The built-in model: a real answer, and the same tokens split over two pipeline stages."""
+"""The built-in model: a real answer, and the same tokens split over two pipeline stages or
+two tensor-parallel ranks."""
 
 import pytest
 
@@ -46,6 +47,18 @@ def test_two_and_three_stages_give_the_same_tokens(single_stage, reaped):
             answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))
         assert got == expected, (stages, balance, chunked)
         assert "Paris" in answer[0].outputs[0].text
+
+
+def test_tensor_parallel_gives_the_same_tokens(single_stage, reaped):
+    """T = 2 splits SmolLM2's 9 query / 3 KV heads 6 + 3 (2 + 1 KV heads) and its Q4_1 rows on
+    their 32-value blocks; alone and with two pipeline stages (4 ranks, 1 thread each), the
+    greedy tokens are one process's."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in single_stage.generate(PROMPTS, params)]
+    for tp, pp in ((2, 1), (2, 2)):
+        with LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=1) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert got == expected, (tp, pp)
 
 
 def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
