@@ -31,7 +31,7 @@ DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("gguf", "none")
+QUANTIZATIONS = ("gguf", "gguf_int8", "none")
 BACKENDS = ("uni", "mp", "ray", "sim")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
 # Where the model, its KV cache and the sampler run. Only the CPU path is built so far, so a
@@ -55,6 +55,9 @@ class EngineConfig:
     load_format: str = "auto"
     # gguf: linear layers compute on a GGUF file's Q4_1/Q8_0 weights as stored (exactly the
     # same results, a 5x smaller weight stream); none: dequantize every weight to `dtype`.
+    # gguf_int8 (opt-in, changes numerics): gguf, with activations rounded to int8 per 32
+    # values for VNNI integer dot products, as llama.cpp does (faster decode; top-1 agreement
+    # with float32 in docs/performance.md; needs AVX-512 VNNI).
     # None (auto): gguf for a GGUF model run in float32, else none.
     quantization: str | None = None
     seed: int = 0
@@ -108,7 +111,11 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             _fail("load_format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            _fail("quantization", self.quantization, "use gguf, none, or leave it unset (auto)")
+            _fail(
+                "quantization",
+                self.quantization,
+                "use gguf, gguf_int8, none, or leave it unset (auto)",
+            )
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             _fail("kv_cache_dtype", self.kv_cache_dtype, f"use auto or one of {', '.join(DTYPES)}")
         if self.distributed_executor_backend is None:
@@ -173,10 +180,24 @@ class EngineConfig:
         if self.quantization is None:
             use = has_gguf_weights and self.torch_dtype == torch.float32
             self.quantization = "gguf" if use else "none"
-        elif self.quantization == "gguf" and not has_gguf_weights:
-            _fail("quantization", "gguf", "it needs a .gguf model (and not load_format=dummy)")
-        elif self.quantization == "gguf" and self.torch_dtype != torch.float32:
-            _fail("quantization", "gguf", f"its kernel computes in float32, not {self.dtype}")
+        elif self.quantization.startswith("gguf") and not has_gguf_weights:
+            _fail(
+                "quantization",
+                self.quantization,
+                "it needs a .gguf model (and not load_format=dummy)",
+            )
+        elif self.quantization.startswith("gguf") and self.torch_dtype != torch.float32:
+            _fail(
+                "quantization",
+                self.quantization,
+                f"its kernel computes in float32, not {self.dtype}",
+            )
+        elif self.quantization == "gguf_int8":
+            from pipellm.kernels.cpu_kernels import int8_activations_unavailable
+
+            reason = int8_activations_unavailable()
+            if reason is not None:
+                _fail("quantization", "gguf_int8", f"{reason}; use gguf (exact) instead")
 
     def _apply_sim_profile(self) -> None:
         """A profile that states the pipeline's KV capacity sets the cache size, unless

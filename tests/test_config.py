@@ -10,6 +10,7 @@ import pytest
 from pipellm import LLM, SamplingParams
 from pipellm.config import ConfigError, EngineConfig
 from pipellm.entrypoints.engine_args import add_engine_args
+from pipellm.kernels import cpu_kernels
 from pipellm.loader.source import ModelNotFoundError
 from tests.checkpoints import make_tiny_checkpoint
 
@@ -40,6 +41,7 @@ def tiny(tmp_path_factory):
         (dict(pp_chunk_sizing="even"), "pp_chunk_sizing='even'"),
         (dict(quantization="awq"), "quantization='awq'"),
         (dict(quantization="gguf"), "needs a .gguf model"),
+        (dict(quantization="gguf_int8"), "needs a .gguf model"),
     ],
 )
 def test_bad_settings_are_named(tiny, settings, message):
@@ -55,6 +57,16 @@ def test_quantization_auto_keeps_gguf_weights_only_for_float32_gguf_models(tiny)
     assert EngineConfig(quantization="none").quantization == "none"
     with pytest.raises(ConfigError, match="computes in float32"):
         EngineConfig(quantization="gguf", dtype="bfloat16")
+
+
+def test_int8_activations_need_their_kernel_level(monkeypatch):
+    """gguf_int8 runs only on the avx512 level's VNNI kernel: asked for elsewhere, the setting
+    fails before anything is built, naming why and the exact alternative."""
+    monkeypatch.setenv("PIPELLM_CPU_ISA", "avx2")
+    if "avx2" not in cpu_kernels.supported_levels() or cpu_kernels.why_unavailable():
+        monkeypatch.setenv("PIPELLM_CPU_KERNELS", "0")
+    with pytest.raises(ConfigError, match="quantization='gguf_int8'.*use gguf"):
+        EngineConfig(quantization="gguf_int8")
 
 
 def test_unsupported_rope_scaling_fails_before_any_process_starts(tmp_path):

@@ -4,7 +4,7 @@ two tensor-parallel ranks."""
 import pytest
 
 from pipellm import LLM, SamplingParams
-from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.kernels.cpu_kernels import cpu_kernels_available, int8_activations_unavailable
 from pipellm.loader import weights
 from pipellm.model.gguf_linear import QuantizedLinear
 from pipellm.model.linear import PackedLinear
@@ -78,6 +78,34 @@ def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
     for a, b in zip(quantized, dequantized, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_int8_activations_keep_nearly_every_greedy_token(single_stage):
+    """quantization="gguf_int8" (opt-in) rounds activations to int8: not the same bits, but
+    read with the exact path's own continuations as context (teacher-forced), its top-1 token
+    is the exact one nearly everywhere (pipellm/bench/int8_agreement.py measures it at scale)."""
+    if int8_activations_unavailable() is not None:
+        pytest.skip(f"int8 activations unavailable: {int8_activations_unavailable()}")
+    runs = single_stage.generate(PROMPTS, GREEDY)
+    texts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in runs]
+    read = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+
+    def top1(llm):
+        outputs = llm.generate(texts, read)
+        entries = [entry for o in outputs for entry in o.prompt_logprobs[1:]]
+        return [top[0][0] for _, top in entries], [logprob for logprob, _ in entries]
+
+    exact, exact_logprobs = top1(single_stage)
+    with LLM(quantization="gguf_int8") as llm:
+        model = llm.engine.executor.worker.model
+        assert model.layers[0].mlp.down_proj.int8_activations
+        assert model.lm_head.int8_activations
+        int8, int8_logprobs = top1(llm)
+        answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in answer[0].outputs[0].text
+    agree = sum(a == b for a, b in zip(exact, int8, strict=True)) / len(exact)
+    assert agree >= 0.9
+    assert int8_logprobs != exact_logprobs  # really the other arithmetic
 
 
 def test_weights_taken_quantized_are_never_dequantized(monkeypatch):

@@ -11,9 +11,9 @@ import re
 import jsonschema
 import openai
 import pytest
-from pipellm.entrypoints.server_process import ServerProcess
 
 from pipellm import LLM, SamplingParams
+from pipellm.bench.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
 from tests.test_structured_outputs import CHOICES, CLOSED_SCHEMA, LARK, REGEX
 

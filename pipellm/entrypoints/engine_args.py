@@ -27,9 +27,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         "-q",
-        choices=["gguf", "none"],
+        choices=["gguf", "gguf_int8", "none"],
         help="gguf: compute on a GGUF model's Q4_1/Q8_0 weights as stored (same results, "
-        "faster decode); none: dequantize them to --dtype (default: gguf for GGUF models)",
+        "faster decode); gguf_int8: that with activations rounded to int8 for VNNI dot "
+        "products (opt-in: faster decode, not bit-identical; needs AVX-512 VNNI); none: "
+        "dequantize them to --dtype (default: gguf for GGUF models)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of sampling and dummy weights")
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")

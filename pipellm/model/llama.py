@@ -215,19 +215,23 @@ class LlamaStage(nn.Module):
         return logits if self.comm is None else self.comm.all_gather(logits)
 
     def prepare_for_inference(
-        self, prepack: bool, quantized: dict[str, QuantizedWeight] | None = None
+        self,
+        prepack: bool,
+        quantized: dict[str, QuantizedWeight] | None = None,
+        int8_activations: bool = False,
     ) -> None:
         """Ties lm_head to the embedding where the config says so, and, with `prepack`,
         reorders every linear weight for the CPU's GEMM (see model/linear.py), except the
         linears `quantized` gives GGUF weights for (by module name, see quantized_linears),
-        which compute on those (model/gguf_linear.py). A tied lm_head gets its own packed copy
-        of the embedding: it is the largest GEMM."""
+        which compute on those (model/gguf_linear.py; with `int8_activations`, on int8
+        activations). A tied lm_head gets its own packed copy of the embedding: it is the
+        largest GEMM."""
         if self.is_last and self.lm_head is None:
             hidden, vocab = self.config.hidden_size, self.tp.vocab_size
             self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         if prepack:
-            prepack_linears(self, quantized or {})
+            prepack_linears(self, quantized or {}, int8_activations=int8_activations)
 
     def quantized_linears(
         self, checkpoint_weights: dict[str, QuantizedWeight]

@@ -69,7 +69,7 @@ class StageWorker:
         # GGUF weights the kernel takes as stored are never dequantized: the load's peak
         # memory is then the quantized model, not the float32 one.
         quantized = {}
-        if config.quantization == "gguf" and cpu_kernels_available():
+        if config.quantization.startswith("gguf") and cpu_kernels_available():
             checkpoint = iter_quantized_weights(config.source, mc, stage, shard_of)
             quantized = self.model.quantized_linears(dict(checkpoint))
         if config.load_format == "dummy":
@@ -82,7 +82,11 @@ class StageWorker:
                 iter_weights(config.source, mc, stage, config.torch_dtype, skip, shard_of),
                 skipped=skip,
             )
-        self.model.prepare_for_inference(prepack=True, quantized=quantized)
+        self.model.prepare_for_inference(
+            prepack=True,
+            quantized=quantized,
+            int8_activations=config.quantization == "gguf_int8",
+        )
         self.model.eval()
         cache_shape = (config.num_kv_blocks, config.block_size, tp.num_kv_heads, mc.head_dim)
         self.kv_caches = [
