@@ -12,7 +12,7 @@ Each timing is one hand-over plus a one-float ack from every stage-1 rank back t
 (the same acks in both ways): the time until every rank of the next stage holds the hidden
 states, plus the ack's return. Prints the median per hand-over in us and bcast / matching.
 
-  .venv/bin/python bench/tp_transfer.py [--tokens 1,16,256,2048 --iters 300 --rounds 5]
+  .venv/bin/python -m pipellm.bench.tp_transfer [--tokens 1,16,256,2048 --iters 300 --rounds 5]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pipellm.executor.net import free_port
+from pipellm.worker.net import free_port
 
 TP = 2
 HIDDEN = 576
