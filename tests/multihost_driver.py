@@ -1,28 +1,74 @@
 """The driver of test_multihost: runs on the first host of a two-host cluster (RAY_ADDRESS set).
 
-Prints one JSON line: where each stage ran and its greedy tokens, the error for a pipeline
-the cluster cannot hold, and how a killed second host ends a run.
+Prints one JSON line: what `pipellm serve` on the cluster answered and left behind, where
+each stage ran and its greedy tokens, the error for a pipeline the cluster cannot hold, and
+how a killed second host ends a run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
+
+import openai
+import psutil
 
 from pipellm import LLM, SamplingParams
+from pipellm.bench.server_process import ServerProcess
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.ray_cluster import RayClusterError
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+STAGE_LOG = re.compile(r"(pipeline stage \d+) on host (\S+) \(.*?, pid (\d+),")
 
 
-def main(raylet_pid_file: str) -> None:
-    report: dict = {}
+def serve(log_path: Path) -> dict:
+    """`pipellm serve` with its stages on the cluster: one greedy completion, then Ctrl-C."""
+    server = ServerProcess(["--distributed-executor-backend", "ray", "-pp", "2"], log_path)
+    started = time.monotonic()
+    try:
+        server.start()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        completion = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=PROMPTS[0],
+            temperature=0,
+            max_tokens=GREEDY.max_tokens,
+            extra_body={"ignore_eos": True},
+        )
+        stages = [
+            {"name": name, "address": address, "pid": int(pid), "netns": _netns(int(pid))}
+            for name, address, pid in STAGE_LOG.findall(server.log)
+        ]
+    finally:
+        survivors = server.stop(signal.SIGINT)
+    # The stages are Ray's workers, not the server's children: each must be gone, too.
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(s["pid"]) for s in stages) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {
+        "text": completion.choices[0].text,
+        "stages": stages,
+        "exit_code": server.process.returncode,
+        "seconds": time.monotonic() - started,
+        "survivors": [p.pid for p in survivors]
+        + [s["pid"] for s in stages if psutil.pid_exists(s["pid"])],
+    }
+
+
+def _netns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def main(raylet_pid_file: str, log_dir: str) -> None:
+    report: dict = {"served": serve(Path(log_dir) / "serve.log")}
     started = time.monotonic()
     try:
         LLM(pipeline_parallel_size=3, distributed_executor_backend="ray")
@@ -32,7 +78,9 @@ def main(raylet_pid_file: str) -> None:
     try:
         executor = llm.engine.executor
         report["stages"] = [vars(loc) for loc in executor.locations]
-        report["tokens"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        outputs = llm.generate(PROMPTS, GREEDY)
+        report["tokens"] = [o.outputs[0].token_ids for o in outputs]
+        report["texts"] = [o.outputs[0].text for o in outputs]
         # Kill the second host's raylet while a long run is in flight.
         with open(raylet_pid_file) as f:
             raylet = int(f.read())
@@ -56,4 +104,4 @@ def main(raylet_pid_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])
