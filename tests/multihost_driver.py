@@ -1,8 +1,8 @@
 """The driver of test_multihost: runs on the first host of a two-host cluster (RAY_ADDRESS set).
 
 Prints one JSON line: what `pipellm serve` on the cluster answered and left behind, where
-each stage ran and its greedy tokens, the error for a pipeline the cluster cannot hold, and
-how a killed second host ends a run.
+each stage ran and its greedy tokens, the error for a pipeline the cluster cannot hold, how
+an idle pipeline notices its second host frozen, and how a killed second host ends a run.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,8 +22,10 @@ import psutil
 
 from pipellm import LLM, SamplingParams
 from pipellm.bench.server_process import ServerProcess
+from pipellm.engine.core_process import HEALTH_CHECK_INTERVAL_S
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.ray_cluster import RayClusterError
+from pipellm.executor.ray_executor import RayExecutor
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -67,7 +70,28 @@ def _netns(pid: int) -> str:
     return os.readlink(f"/proc/{pid}/ns/net")
 
 
-def main(raylet_pid_file: str, log_dir: str) -> None:
+def frozen_host(executor: RayExecutor, namespace: str) -> dict:
+    """Stops every process of the second host (a host that hangs, or drops off the network)
+    while the pipeline is idle, and runs the engine core's idle health check until it fails."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, check=True)
+    pids = [int(pid) for pid in listed.stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        while time.monotonic() < frozen + 60:
+            try:
+                executor.check_health()
+            except WorkerDiedError as error:
+                return {"error": str(error), "seconds": time.monotonic() - frozen}
+            time.sleep(HEALTH_CHECK_INTERVAL_S)
+        return {"error": None}
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def main(raylet_pid_file: str, log_dir: str, second_host_namespace: str) -> None:
     report: dict = {"served": serve(Path(log_dir) / "serve.log")}
     started = time.monotonic()
     try:
@@ -76,11 +100,16 @@ def main(raylet_pid_file: str, log_dir: str) -> None:
         report["too_big"] = {"error": str(error), "seconds": time.monotonic() - started}
     llm = LLM(pipeline_parallel_size=2, distributed_executor_backend="ray")
     try:
-        executor = llm.engine.executor
-        report["stages"] = [vars(loc) for loc in executor.locations]
+        report["stages"] = [vars(loc) for loc in llm.engine.executor.locations]
         outputs = llm.generate(PROMPTS, GREEDY)
         report["tokens"] = [o.outputs[0].token_ids for o in outputs]
         report["texts"] = [o.outputs[0].text for o in outputs]
+        report["frozen"] = frozen_host(llm.engine.executor, second_host_namespace)
+    finally:
+        llm.shutdown()
+    llm = LLM(pipeline_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        report["stages_again"] = [vars(loc) for loc in llm.engine.executor.locations]
         # Kill the second host's raylet while a long run is in flight.
         with open(raylet_pid_file) as f:
             raylet = int(f.read())
@@ -104,4 +133,4 @@ def main(raylet_pid_file: str, log_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
