@@ -74,7 +74,14 @@ def main() -> None:
             measured = run_once(setup, args, None)
             predicted = predict(setup.engine_args, args, concurrency, profile)
             rows.append((setup.label, concurrency, measured, predicted))
-            print(f"{setup.label:22s} concurrency {concurrency}: measured, predicted", flush=True)
+            print(
+                f"{setup.label:22s} concurrency {concurrency}: "
+                + ", ".join(
+                    f"{name} {predicted[sim_key]:.2f} (measured {measured[real_key] * scale:.2f})"
+                    for real_key, sim_key, scale, name in METRICS
+                ),
+                flush=True,
+            )
     print(f"\n{'setup':22s} {'conc':>4s} {'metric':16s} {'predicted':>10s} {'measured':>10s} "
           f"{'error':>7s}")  # fmt: skip
     summary = []

@@ -15,7 +15,9 @@ for L layers, T tokens, R requests, A attention pairs and S sampled rows.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 from pipellm.sim.shapes import BatchShape, LayerShape
@@ -106,22 +108,39 @@ class RooflineStageCost:
     hw: Hardware
     precision: Precision
 
+    @cached_property
+    def _sums(self) -> tuple[float, float, float, float, tuple[tuple[int, LayerShape], ...]]:
+        """Per-token GEMM FLOPs, FLOPs per attention pair, always-read parameters and KV
+        elements per context token, summed over the stage's layers; and its routed-expert
+        layers grouped by shape (count, layer). The simulation evaluates a stage's cost once
+        per micro-batch, so the sums over ~8 layers are done once, not per step."""
+        groups = Counter(layer for layer in self.layers if layer.num_experts)
+        return (
+            sum(
+                2 * (layer.dense_params + layer.experts_per_token * layer.expert_params)
+                for layer in self.layers
+            ),
+            sum(layer.attention_flops_per_pair for layer in self.layers),
+            sum(layer.dense_params for layer in self.layers),
+            sum(layer.kv_elements_per_token for layer in self.layers),
+            tuple((count, layer) for layer, count in groups.items()),
+        )
+
     def seconds(self, batch: BatchShape) -> float:
         hw, p = self.hw, self.precision
         tokens = batch.num_tokens
-        gemm_flops = attention_flops = bytes_read = 0.0
-        for layer in self.layers:
-            experts = layer.expected_experts_touched(tokens)
-            gemm_flops += (
-                2 * tokens * (layer.dense_params + layer.experts_per_token * layer.expert_params)
-            )
-            attention_flops += layer.attention_flops_per_pair * batch.attention_pairs
-            bytes_read += (layer.dense_params + experts * layer.expert_params) * p.weight_bytes
-            bytes_read += layer.kv_elements_per_token * batch.context_tokens * p.kv_bytes
-        gemm_flops += 2 * batch.num_sampled * self.head_params
-        bytes_read += self.head_params * p.head_bytes
+        gemm_per_token, flops_per_pair, dense_params, kv_elements, expert_groups = self._sums
+        params_read = dense_params + sum(
+            count * layer.expected_experts_touched(tokens) * layer.expert_params
+            for count, layer in expert_groups
+        )
+        gemm_flops = tokens * gemm_per_token + 2 * batch.num_sampled * self.head_params
+        bytes_read = params_read * p.weight_bytes + self.head_params * p.head_bytes
+        bytes_read += kv_elements * batch.context_tokens * p.kv_bytes
         compute = gemm_flops / hw.flops_per_s
-        compute += attention_flops / (hw.attention_flops_per_s or hw.flops_per_s)
+        compute += (
+            flops_per_pair * batch.attention_pairs / (hw.attention_flops_per_s or hw.flops_per_s)
+        )
         return hw.step_overhead_s + max(compute, bytes_read / hw.bytes_per_s)
 
     def weight_bytes(self) -> float:
