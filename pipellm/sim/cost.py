@@ -7,9 +7,11 @@ where the bytes are the stage's dense weights, the routed experts the batch touc
 cache its requests attend to, and (last stage) the lm_head.
 
 Linear (measured on this machine by `pipellm profile`, or written by hand):
-    time = step_s + L (layer_s + layer_token_s T + layer_request_s R + layer_pair_s A)
+    time = step_s + L (layer_s + layer_token_s T + layer_request_s R + layer_pair_s A
+                       + layer_context_s C)
            [+ head_s + head_sampled_s S on the last stage]
-for L layers, T tokens, R requests, A attention pairs and S sampled rows.
+for L layers, T tokens, R requests, A attention pairs, C context tokens (the KV cache the
+batch's requests read) and S sampled rows.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class LinearCoefficients:
     layer_token_s: float = 0.0
     layer_request_s: float = 0.0
     layer_pair_s: float = 0.0
+    # Per context token whose cached K/V a layer reads. A decode row attends to its whole
+    # context with one query: a memory-bound read of the paged cache, not the compute-bound
+    # SDPA of a prompt chunk that layer_pair_s measures (one query token per pair).
+    layer_context_s: float = 0.0
     head_s: float = 0.0
     head_sampled_s: float = 0.0
 
@@ -53,6 +59,7 @@ class LinearStageCost:
             + c.layer_token_s * batch.num_tokens
             + c.layer_request_s * batch.num_requests
             + c.layer_pair_s * batch.attention_pairs
+            + c.layer_context_s * batch.context_tokens
         )
         head = c.head_s + c.head_sampled_s * batch.num_sampled if self.is_last else 0.0
         return c.step_s + self.num_layers * per_layer + head
