@@ -24,7 +24,7 @@ def grid_batch(chunks: list[tuple[int, int]]) -> BatchShape:
 def test_fit_recovers_the_coefficients_it_was_made_from():
     truth = LinearCoefficients(
         step_s=2e-3, layer_s=1e-3, layer_token_s=5e-5, layer_request_s=1e-5,
-        layer_pair_s=1e-8, head_s=4e-3, head_sampled_s=2e-4,
+        layer_pair_s=1e-8, layer_context_s=3e-8, head_s=4e-3, head_sampled_s=2e-4,
     )  # fmt: skip
     samples = [
         Sample(layers, last, batch, LinearStageCost(layers, last, truth).seconds(batch))

@@ -224,6 +224,7 @@ def run_once(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> 
         "median_tpot_s": statistics.median(tpots),
         "stage_idle": pipeline["stage_idle_fraction"],
         "mean_queue_depth": pipeline["mean_queue_depth"],
+        "pipeline": pipeline,
     }
 
 

@@ -66,7 +66,8 @@ def main() -> None:
         argv = ["profile", *([args.model] if args.model else []), "--output", profile]
         parsed = build_parser().parse_args(argv)
         parsed.func(parsed)
-    setups = [s for s in SETUPS if s.engine_args.get("num_threads") == 1]
+    # (a) P=1, (b) P=2 --no-pp-balance, (c) P=2 balanced: the mp backend, 1 thread per stage.
+    setups = [s for s in SETUPS if s.label[0] in "abc"]
     rows = []
     for concurrency in [int(c) for c in args.concurrencies.split(",")]:
         args.concurrency = concurrency
@@ -74,7 +75,26 @@ def main() -> None:
             measured = run_once(setup, args, None)
             predicted = predict(setup.engine_args, args, concurrency, profile)
             rows.append((setup.label, concurrency, measured, predicted))
-            print(f"{setup.label:22s} concurrency {concurrency}: measured, predicted", flush=True)
+            print(
+                f"{setup.label:22s} concurrency {concurrency}: "
+                + ", ".join(
+                    f"{name} {predicted[sim_key]:.2f} (measured {measured[real_key] * scale:.2f})"
+                    for real_key, sim_key, scale, name in METRICS
+                ),
+                flush=True,
+            )
+            print(
+                "    micro-batches {}, stage busy s {}, duration s {:.2f}; predicted {}, {}, "
+                "{:.2f}".format(
+                    measured["pipeline"]["num_micro_batches"],
+                    [round(b, 2) for b in measured["pipeline"]["stage_busy_s"]],
+                    measured["duration_s"],
+                    predicted["pipeline"]["num_micro_batches"],
+                    [round(b, 2) for b in predicted["pipeline"]["stage_busy_s"]],
+                    predicted["duration"],
+                ),
+                flush=True,
+            )
     print(f"\n{'setup':22s} {'conc':>4s} {'metric':16s} {'predicted':>10s} {'measured':>10s} "
           f"{'error':>7s}")  # fmt: skip
     summary = []

@@ -6,7 +6,8 @@ micro-batches: decode batches of several rows and contexts, prefill chunks of se
 some after a cached context. The median time of each is fitted by least squares, relative to
 the time (so short steps weigh as much as long ones), to pipellm/sim/cost.py's linear model:
 
-    time = step_s + L (layer_s + layer_token_s T + layer_request_s R + layer_pair_s A)
+    time = step_s + L (layer_s + layer_token_s T + layer_request_s R + layer_pair_s A
+                       + layer_context_s C)
            [+ head_s + head_sampled_s S on the last stage]
 
 Stages of different sizes (P = 1 has every layer, P = 2 half) separate the per-layer terms
@@ -32,7 +33,9 @@ from pipellm.sim.cost import LinearCoefficients, LinearStageCost
 from pipellm.sim.shapes import BatchShape
 
 # (cached context, scheduled tokens) of each request in a grid micro-batch.
-DECODE_GRID = [[(context, 1)] * rows for rows in (1, 4, 8) for context in (128, 1024)]
+# Decodes at three contexts: a decode row's attention reads its whole context (layer_context_s),
+# and prompt chunks after a cached context separate that from the prompt's pairs.
+DECODE_GRID = [[(context, 1)] * rows for rows in (1, 4, 8) for context in (128, 512, 1024)]
 PREFILL_GRID = [
     [(0, 16)],
     [(0, 64)],
@@ -121,17 +124,16 @@ def fit(samples: list[Sample]) -> tuple[LinearCoefficients, list[float]]:
     for s in samples:
         b, n, last = s.batch, s.num_layers, float(s.is_last)
         rows.append(
-            [1, n, n * b.num_tokens, n * b.num_requests, n * b.attention_pairs, last,
-             last * b.num_sampled]
+            [1, n, n * b.num_tokens, n * b.num_requests, n * b.attention_pairs,
+             n * b.context_tokens, last, last * b.num_sampled]
         )  # fmt: skip
     features = np.array(rows, dtype=float)
     seconds = np.array([s.seconds for s in samples])
     weights = 1 / seconds
     solution = _nonnegative_lstsq(features * weights[:, None], seconds * weights)
-    names = ["step_s", "layer_s", "layer_token_s", "layer_request_s", "layer_pair_s", "head_s"]
-    coefficients = LinearCoefficients(
-        **dict(zip([*names, "head_sampled_s"], solution.tolist(), strict=True))
-    )
+    names = ["step_s", "layer_s", "layer_token_s", "layer_request_s", "layer_pair_s"]
+    names += ["layer_context_s", "head_s", "head_sampled_s"]
+    coefficients = LinearCoefficients(**dict(zip(names, solution.tolist(), strict=True)))
     errors = [
         LinearStageCost(s.num_layers, s.is_last, coefficients).seconds(s.batch) / s.seconds - 1
         for s in samples

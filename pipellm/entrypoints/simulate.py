@@ -259,6 +259,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         client = run_phase(core, clock, timed, offsets, concurrency, serving)
         duration = clock.now - start
         result = report(args, config.model_name, client.outputs, start, duration)
+        # Not bench serve's: where the modelled time went (sim_fidelity compares it).
+        result["pipeline"] = core.pipeline_stats.summary(since=start)
     finally:
         core.shutdown()
     wall = time.perf_counter() - wall_start

@@ -7,15 +7,19 @@ where the bytes are the stage's dense weights, the routed experts the batch touc
 cache its requests attend to, and (last stage) the lm_head.
 
 Linear (measured on this machine by `pipellm profile`, or written by hand):
-    time = step_s + L (layer_s + layer_token_s T + layer_request_s R + layer_pair_s A)
+    time = step_s + L (layer_s + layer_token_s T + layer_request_s R + layer_pair_s A
+                       + layer_context_s C)
            [+ head_s + head_sampled_s S on the last stage]
-for L layers, T tokens, R requests, A attention pairs and S sampled rows.
+for L layers, T tokens, R requests, A attention pairs, C context tokens (the KV cache the
+batch's requests read) and S sampled rows.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 from pipellm.sim.shapes import BatchShape, LayerShape
@@ -34,6 +38,10 @@ class LinearCoefficients:
     layer_token_s: float = 0.0
     layer_request_s: float = 0.0
     layer_pair_s: float = 0.0
+    # Per context token whose cached K/V a layer reads. A decode row attends to its whole
+    # context with one query: a memory-bound read of the paged cache, not the compute-bound
+    # SDPA of a prompt chunk that layer_pair_s measures (one query token per pair).
+    layer_context_s: float = 0.0
     head_s: float = 0.0
     head_sampled_s: float = 0.0
 
@@ -51,6 +59,7 @@ class LinearStageCost:
             + c.layer_token_s * batch.num_tokens
             + c.layer_request_s * batch.num_requests
             + c.layer_pair_s * batch.attention_pairs
+            + c.layer_context_s * batch.context_tokens
         )
         head = c.head_s + c.head_sampled_s * batch.num_sampled if self.is_last else 0.0
         return c.step_s + self.num_layers * per_layer + head
@@ -106,22 +115,39 @@ class RooflineStageCost:
     hw: Hardware
     precision: Precision
 
+    @cached_property
+    def _sums(self) -> tuple[float, float, float, float, tuple[tuple[int, LayerShape], ...]]:
+        """Per-token GEMM FLOPs, FLOPs per attention pair, always-read parameters and KV
+        elements per context token, summed over the stage's layers; and its routed-expert
+        layers grouped by shape (count, layer). The simulation evaluates a stage's cost once
+        per micro-batch, so the sums over ~8 layers are done once, not per step."""
+        groups = Counter(layer for layer in self.layers if layer.num_experts)
+        return (
+            sum(
+                2 * (layer.dense_params + layer.experts_per_token * layer.expert_params)
+                for layer in self.layers
+            ),
+            sum(layer.attention_flops_per_pair for layer in self.layers),
+            sum(layer.dense_params for layer in self.layers),
+            sum(layer.kv_elements_per_token for layer in self.layers),
+            tuple((count, layer) for layer, count in groups.items()),
+        )
+
     def seconds(self, batch: BatchShape) -> float:
         hw, p = self.hw, self.precision
         tokens = batch.num_tokens
-        gemm_flops = attention_flops = bytes_read = 0.0
-        for layer in self.layers:
-            experts = layer.expected_experts_touched(tokens)
-            gemm_flops += (
-                2 * tokens * (layer.dense_params + layer.experts_per_token * layer.expert_params)
-            )
-            attention_flops += layer.attention_flops_per_pair * batch.attention_pairs
-            bytes_read += (layer.dense_params + experts * layer.expert_params) * p.weight_bytes
-            bytes_read += layer.kv_elements_per_token * batch.context_tokens * p.kv_bytes
-        gemm_flops += 2 * batch.num_sampled * self.head_params
-        bytes_read += self.head_params * p.head_bytes
+        gemm_per_token, flops_per_pair, dense_params, kv_elements, expert_groups = self._sums
+        params_read = dense_params + sum(
+            count * layer.expected_experts_touched(tokens) * layer.expert_params
+            for count, layer in expert_groups
+        )
+        gemm_flops = tokens * gemm_per_token + 2 * batch.num_sampled * self.head_params
+        bytes_read = params_read * p.weight_bytes + self.head_params * p.head_bytes
+        bytes_read += kv_elements * batch.context_tokens * p.kv_bytes
         compute = gemm_flops / hw.flops_per_s
-        compute += attention_flops / (hw.attention_flops_per_s or hw.flops_per_s)
+        compute += (
+            flops_per_pair * batch.attention_pairs / (hw.attention_flops_per_s or hw.flops_per_s)
+        )
         return hw.step_overhead_s + max(compute, bytes_read / hw.bytes_per_s)
 
     def weight_bytes(self) -> float:
