@@ -7,17 +7,21 @@ Names follow vLLM's engine arguments, so `LLM(model, max_num_seqs=8, ...)` and
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from pipellm.loader.source import ModelSource, load_model_config, resolve_model
+from pipellm.loader.weights import check_gguf_tensor_parallel
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
-from pipellm.model.source import ModelSource, load_model_config, resolve_model
+from pipellm.model.stage_spec import StageSpec, stage_specs
 from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
-from pipellm.model.weights import check_gguf_tensor_parallel
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -64,7 +68,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes of KV cache over all stages (CPU)
-    gpu_memory_utilization: float = 0.9
+    # vLLM's GPU settings, accepted so vLLM scripts and command lines run unchanged; pipellm
+    # runs on CPU, where they do nothing (a warning says so; kv_cache_memory sizes the cache).
+    gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
@@ -134,8 +140,16 @@ class EngineConfig:
         self._check_cores()
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             _fail("kv_cache_memory", self.kv_cache_memory, "use a positive number of bytes")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use a value in (0, 1]")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use (0, 1]")
+            if DEVICE != "cuda":
+                logger.warning(
+                    "gpu_memory_utilization has no effect on CPU; kv_cache_memory (CLI: "
+                    "--kv-cache-memory) sizes the KV cache"
+                )
+        if self.max_cudagraph_capture_size is not None and DEVICE != "cuda":
+            logger.warning("max_cudagraph_capture_size has no effect on CPU; ignored")
         if self.pp_chunk_sizing not in ("fixed", "cost"):
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
         if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
@@ -244,6 +258,10 @@ class EngineConfig:
                 self.pipeline_parallel_size,
                 f"the model has only {layers} layers; use at most {layers} stages",
             )
+        try:
+            self.stage(0)  # a bad layer partition fails here, before any stage starts
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     def _check_cores(self) -> None:
         """T x P processes, each with its own threads: more of them than cores would make
@@ -290,6 +308,10 @@ class EngineConfig:
             return self.num_threads
         ranks = self.pipeline_parallel_size * self.tensor_parallel_size
         return max(1, (os.cpu_count() or 1) // ranks)
+
+    def stage(self, index: int) -> StageSpec:
+        """Pipeline stage `index`: its layers and its first/last role."""
+        return stage_specs(self.model_config.num_hidden_layers, self.pipeline_parallel_size)[index]
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from pipellm.config import EngineConfig
-from pipellm.executor.net import interface_of, listening_socket
 from pipellm.executor.ray_cluster import rank_order, stage_order
 from pipellm.executor.ray_executor import _clock_offset
 from pipellm.executor.ray_stage import config_for_this_host
-from pipellm.model.registry import BUILTIN_DEFAULT_MODEL, find_preset
-from pipellm.model.source import ModelNotFoundError
+from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset
+from pipellm.loader.source import ModelNotFoundError
+from pipellm.worker.net import interface_of, listening_socket
 from tests.checkpoints import make_tiny_checkpoint
 
 

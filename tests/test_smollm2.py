@@ -5,7 +5,7 @@ import pytest
 
 from pipellm import LLM, SamplingParams
 from pipellm.kernels.cpu_kernels import cpu_kernels_available, int8_activations_unavailable
-from pipellm.model import weights
+from pipellm.loader import weights
 from pipellm.model.gguf_linear import QuantizedLinear
 from pipellm.model.linear import PackedLinear
 
@@ -83,7 +83,7 @@ def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
 def test_int8_activations_keep_nearly_every_greedy_token(single_stage):
     """quantization="gguf_int8" (opt-in) rounds activations to int8: not the same bits, but
     read with the exact path's own continuations as context (teacher-forced), its top-1 token
-    is the exact one nearly everywhere (bench/int8_agreement.py measures it at scale)."""
+    is the exact one nearly everywhere (pipellm/bench/int8_agreement.py measures it at scale)."""
     if int8_activations_unavailable() is not None:
         pytest.skip(f"int8 activations unavailable: {int8_activations_unavailable()}")
     runs = single_stage.generate(PROMPTS, GREEDY)

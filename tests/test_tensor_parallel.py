@@ -10,9 +10,10 @@ import torch
 
 from pipellm import LLM, SamplingParams
 from pipellm.config import ConfigError, EngineConfig
+from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
+from pipellm.model.stage_spec import StageSpec
 from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
-from pipellm.model.weights import iter_quantized_weights, iter_weights
 from tests.checkpoints import make_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -50,10 +51,9 @@ def _param_bytes(model: torch.nn.Module) -> int:
 def _loaded_stage(config: EngineConfig, tp_size: int, rank: int) -> LlamaStage:
     mc = config.model_config
     plan = plan_tensor_parallel(mc, tp_size, rank)
-    model = LlamaStage(mc, 0, mc.num_hidden_layers, True, True, torch.float32, plan)
-    weights = iter_weights(
-        config.source, mc, 0, mc.num_hidden_layers, True, True, torch.float32, (), plan.weight_shard
-    )
+    stage = StageSpec(0, 1, 0, mc.num_hidden_layers)
+    model = LlamaStage(mc, stage, torch.float32, plan)
+    weights = iter_weights(config.source, mc, stage, torch.float32, (), plan.weight_shard)
     model.load_weights(weights)
     return model
 
@@ -86,7 +86,9 @@ def test_gguf_ranks_take_whole_blocks():
     mc = config.model_config
 
     def layer0(shard_of=lambda name: None):
-        return dict(iter_quantized_weights(config.source, mc, 0, 1, False, False, shard_of))
+        # Layer 0 alone, as a middle stage (1 of 3) would hold it: no embedding, no lm_head.
+        stage = StageSpec(1, 3, 0, 1)
+        return dict(iter_quantized_weights(config.source, mc, stage, shard_of))
 
     whole = layer0()
     plan = plan_tensor_parallel(mc, 2, 1)  # KV head 2 and query heads 6-8; MLP 768-1535

@@ -26,11 +26,12 @@ from functools import partial
 from typing import Any
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor import ray_cluster
-from pipellm.executor.base import Executor, WorkerDiedError
+from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.ray_stage import StageActor, StageLocation
+from pipellm.executor.remote import RemoteStagesExecutor
+from pipellm.protocol import ModelOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ CLOCK_SAMPLES = 5
 DIAGNOSE_TIMEOUT_S = 3.0  # a live stage answers a ping queued behind failing steps
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteStagesExecutor):
     def __init__(self, config: EngineConfig) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -200,19 +201,11 @@ class RayExecutor(Executor):
         """Raises if a stage failed; pings every stage, so a stage whose host died while the
         engine is idle (when the engine calls this) is noticed, too. A ping queues behind the
         stage's steps, so none is sent while earlier pings are unanswered."""
-        if self._pending.dead:
-            raise WorkerDiedError(self._pending.dead)
+        self._raise_if_dead()
         if all(ping.future().done() for ping in self._pings):
             self._pings = [actor.ping.remote() for actor in self.actors]
             for rank, ping in enumerate(self._pings):
                 ping.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._pending.fail("the executor was shut down", log=False)
-        self._finalizer()
 
 
 @dataclass

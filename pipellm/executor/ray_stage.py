@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
-from pipellm.executor.net import LOOPBACK, listening_socket
-from pipellm.model.registry import find_preset
-from pipellm.model.source import ModelNotFoundError, resolve_model
+from pipellm.loader.registry import find_preset
+from pipellm.loader.source import ModelNotFoundError, resolve_model
+from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.worker.net import LOOPBACK, listening_socket
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from pipellm.model.gguf_linear import QuantizedWeight, stack_rows
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import RotaryEmbedding
+from pipellm.model.stage_spec import StageSpec
 from pipellm.model.tp_plan import TensorParallelPlan, plan_tensor_parallel
 from pipellm.parallel.comm import TensorParallelComm
 
@@ -147,16 +148,15 @@ class LlamaStage(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        layer_start: int,
-        layer_end: int,
-        is_first: bool,
-        is_last: bool,
+        stage: StageSpec,
         dtype: torch.dtype,
         tp: TensorParallelPlan | None = None,
         comm: TensorParallelComm | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        layer_start, layer_end = stage.layer_start, stage.layer_end
+        is_first, is_last = stage.is_first, stage.is_last
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first, self.is_last = is_first, is_last
         self.tp = tp = tp or plan_tensor_parallel(config, 1, 0)

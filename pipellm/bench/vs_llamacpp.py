@@ -20,9 +20,9 @@ for VNNI dot products, as llama.cpp computes; where the CPU has AVX-512 VNNI), `
 with PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the prefill
 reference) and `llamacpp`. Ratios are llama.cpp's time over each pipellm configuration's.
 
-    cpulock bench .venv/bin/python bench/vs_llamacpp.py               # 2 threads, 3 rounds
-    .venv/bin/python bench/vs_llamacpp.py --threads 1 --rounds 1 --workloads single
-    .venv/bin/python bench/vs_llamacpp.py --llamacpp-python /opt/llamacpp-venv/bin/python
+    cpulock bench .venv/bin/python -m pipellm.bench.vs_llamacpp               # 2 threads, 3 rounds
+    .venv/bin/python -m pipellm.bench.vs_llamacpp --threads 1 --rounds 1 --workloads single
+    .venv/bin/python -m pipellm.bench.vs_llamacpp --llamacpp-python /opt/llamacpp-venv/bin/python
 
 Building llama-cpp-python: on a CPU with AMX (Sapphire Rapids and later Xeons) a build with
 llama.cpp's default GGML_NATIVE=ON also compiles its AMX matmul, which crashes (SIGSEGV in
@@ -249,7 +249,7 @@ def main() -> None:
         return
     check_llamacpp(args.llamacpp_python)
     from pipellm.kernels.cpu_kernels import int8_activations_unavailable
-    from pipellm.model.source import resolve_model
+    from pipellm.loader.source import resolve_model
 
     model = str(resolve_model(None).path)
     argv = ["--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens)]

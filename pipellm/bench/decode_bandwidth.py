@@ -8,8 +8,8 @@ SmolLM2-135M's decode step after a 256-token prompt (`--decode-tokens` greedy to
 time as a fraction of the bandwidth. Settings and thread counts take turns, each run a fresh
 process.
 
-    cpulock bench .venv/bin/python bench/decode_bandwidth.py    # gguf, gguf_int8; 1, 2 threads
-    .venv/bin/python bench/decode_bandwidth.py --settings gguf --threads 2 --repeats 1
+    cpulock bench .venv/bin/python -m pipellm.bench.decode_bandwidth  # gguf, gguf_int8; 1, 2 thr.
+    .venv/bin/python -m pipellm.bench.decode_bandwidth --settings gguf --threads 2 --repeats 1
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ logit_bias, run by run in turns (A B A B ...) so load on this shared machine hur
 Two figures: whole generate() runs (16 prompts, --output-len decode steps each; the rules act on
 every step), and the sampler alone on one step's [16, vocab] logits with and without the rules.
 
-    .venv/bin/python bench/sampling_extras.py                 # 3 repeats, 16 x 32 tokens
-    .venv/bin/python bench/sampling_extras.py --repeats 1 --output-len 8
+    .venv/bin/python -m pipellm.bench.sampling_extras                 # 3 repeats, 16 x 32 tokens
+    .venv/bin/python -m pipellm.bench.sampling_extras --repeats 1 --output-len 8
 """
 
 from __future__ import annotations
