@@ -1,28 +1,98 @@
 """The driver of test_multihost: runs on the first host of a two-host cluster (RAY_ADDRESS set).
 
-Prints one JSON line: where each stage ran and its greedy tokens, the error for a pipeline
-the cluster cannot hold, and how a killed second host ends a run.
+Prints one JSON line: what `pipellm serve` on the cluster answered and left behind, where
+each stage ran and its greedy tokens, the error for a pipeline the cluster cannot hold, how
+an idle pipeline notices its second host frozen, and how a killed second host ends a run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+import openai
+import psutil
 
 from pipellm import LLM, SamplingParams
+from pipellm.bench.server_process import ServerProcess
+from pipellm.engine.core_process import HEALTH_CHECK_INTERVAL_S
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.ray_cluster import RayClusterError
+from pipellm.executor.ray_executor import RayExecutor
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+STAGE_LOG = re.compile(r"(pipeline stage \d+) on host (\S+) \(.*?, pid (\d+),")
 
 
-def main(raylet_pid_file: str) -> None:
-    report: dict = {}
+def serve(log_path: Path) -> dict:
+    """`pipellm serve` with its stages on the cluster: one greedy completion, then Ctrl-C."""
+    server = ServerProcess(["--distributed-executor-backend", "ray", "-pp", "2"], log_path)
+    started = time.monotonic()
+    try:
+        server.start()
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        completion = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=PROMPTS[0],
+            temperature=0,
+            max_tokens=GREEDY.max_tokens,
+            extra_body={"ignore_eos": True},
+        )
+        stages = [
+            {"name": name, "address": address, "pid": int(pid), "netns": _netns(int(pid))}
+            for name, address, pid in STAGE_LOG.findall(server.log)
+        ]
+    finally:
+        survivors = server.stop(signal.SIGINT)
+    # The stages are Ray's workers, not the server's children: each must be gone, too.
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(s["pid"]) for s in stages) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {
+        "text": completion.choices[0].text,
+        "stages": stages,
+        "exit_code": server.process.returncode,
+        "seconds": time.monotonic() - started,
+        "survivors": [p.pid for p in survivors]
+        + [s["pid"] for s in stages if psutil.pid_exists(s["pid"])],
+    }
+
+
+def _netns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def frozen_host(executor: RayExecutor, namespace: str) -> dict:
+    """Stops every process of the second host (a host that hangs, or drops off the network)
+    while the pipeline is idle, and runs the engine core's idle health check until it fails."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, check=True)
+    pids = [int(pid) for pid in listed.stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        while time.monotonic() < frozen + 60:
+            try:
+                executor.check_health()
+            except WorkerDiedError as error:
+                return {"error": str(error), "seconds": time.monotonic() - frozen}
+            time.sleep(HEALTH_CHECK_INTERVAL_S)
+        return {"error": None}
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def main(raylet_pid_file: str, log_dir: str, second_host_namespace: str) -> None:
+    report: dict = {"served": serve(Path(log_dir) / "serve.log")}
     started = time.monotonic()
     try:
         LLM(pipeline_parallel_size=3, distributed_executor_backend="ray")
@@ -30,9 +100,16 @@ def main(raylet_pid_file: str) -> None:
         report["too_big"] = {"error": str(error), "seconds": time.monotonic() - started}
     llm = LLM(pipeline_parallel_size=2, distributed_executor_backend="ray")
     try:
-        executor = llm.engine.executor
-        report["stages"] = [vars(loc) for loc in executor.locations]
-        report["tokens"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        report["stages"] = [vars(loc) for loc in llm.engine.executor.locations]
+        outputs = llm.generate(PROMPTS, GREEDY)
+        report["tokens"] = [o.outputs[0].token_ids for o in outputs]
+        report["texts"] = [o.outputs[0].text for o in outputs]
+        report["frozen"] = frozen_host(llm.engine.executor, second_host_namespace)
+    finally:
+        llm.shutdown()
+    llm = LLM(pipeline_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        report["stages_again"] = [vars(loc) for loc in llm.engine.executor.locations]
         # Kill the second host's raylet while a long run is in flight.
         with open(raylet_pid_file) as f:
             raylet = int(f.read())
@@ -56,4 +133,4 @@ def main(raylet_pid_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

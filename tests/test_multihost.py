@@ -15,18 +15,23 @@ from tests.multihost_driver import GREEDY, PROMPTS
 pytest.importorskip("ray")
 REASON = unavailable_reason()
 ROOT = Path(__file__).resolve().parent.parent
+DRIVER = ROOT / "tests" / "multihost_driver.py"
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no two-host cluster here: {REASON}")
-def test_two_hosts_give_the_mp_tokens_and_a_dead_host_is_a_clear_error(tmp_path, reaped):
+def test_two_hosts_serve_give_the_mp_tokens_and_a_dead_host_is_a_clear_error(tmp_path, reaped):
+    """One cluster start for all of it (the suite's time): `pipellm serve` across the hosts
+    and its orderly stop, then offline runs: the greedy tokens, a host frozen while idle, a
+    host's death mid-run."""
     with LLM(pipeline_parallel_size=2) as llm:  # the mp backend, on this host
-        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        outputs = llm.generate(PROMPTS, GREEDY)
+    expected = [o.outputs[0].token_ids for o in outputs]
     with TwoHostCluster(num_cpus=1) as cluster:
         pid_file = tmp_path / "raylet.pid"
         pid_file.write_text(str(cluster.raylet_pid(1)))
         done = cluster.exec(
             0,
-            [sys.executable, str(ROOT / "tests" / "multihost_driver.py"), str(pid_file)],
+            [sys.executable, str(DRIVER), str(pid_file), str(tmp_path), cluster.namespaces[1]],
             env={**cluster.driver_env(), "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,
@@ -35,13 +40,27 @@ def test_two_hosts_give_the_mp_tokens_and_a_dead_host_is_a_clear_error(tmp_path,
         assert done.returncode == 0, done.stderr[-4000:]
         report = json.loads(done.stdout.strip().splitlines()[-1])
         print(json.dumps(report, indent=1))
-        stage_pids = [stage["pid"] for stage in report["stages"]]
+        runs = (report["served"]["stages"], report["stages"], report["stages_again"])
+        stage_pids = [stage["pid"] for stages in runs for stage in stages]
         left = [pid for host in (0, 1) for pid in cluster.pids(host) if pid in stage_pids]
+    # `pipellm serve --distributed-executor-backend ray -pp 2`, its stages one per host: the
+    # offline greedy text, and Ctrl-C ends it (exit 0) with nothing left behind.
+    served = report["served"]
+    assert [s["name"] for s in served["stages"]] == ["pipeline stage 0", "pipeline stage 1"]
+    assert [s["address"] for s in served["stages"]] == cluster.addresses
+    assert len({s["netns"] for s in served["stages"]}) == 2
+    assert served["text"] == outputs[0].outputs[0].text == report["texts"][0]
+    assert served["exit_code"] == 0 and served["survivors"] == []
     # One stage per host: each ran in its own namespace, at its own address.
     assert [s["address"] for s in report["stages"]] == cluster.addresses
     assert len({s["netns"] for s in report["stages"]}) == 2
     assert report["tokens"] == expected
     assert "need 3 x 1 CPU (the cluster has 2)" in report["too_big"]["error"]
+    # A frozen host never answers, and Ray declares it dead only after its node health check
+    # (15 s or more): the engine's idle ping round names it first.
+    frozen = report["frozen"]["error"] or "no error"
+    assert frozen.startswith("pipeline stage 1 (host 10.213.0.2, pid "), frozen
+    assert "did not answer a ping" in frozen
     assert "pipeline stage 1" in report["killed"]["error"], report["killed"]
     assert report["killed"]["seconds"] < 10
     assert not left, f"stage processes outlived the run: {left}"

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import shutil
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pipellm.config import EngineConfig
+from pipellm.executor import ray_executor
+from pipellm.executor.base import WorkerDiedError
+from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.ray_cluster import rank_order, stage_order
-from pipellm.executor.ray_executor import _clock_offset
-from pipellm.executor.ray_stage import config_for_this_host
+from pipellm.executor.ray_executor import RayExecutor, _clock_offset
+from pipellm.executor.ray_stage import StageLocation, config_for_this_host
 from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset
 from pipellm.loader.source import ModelNotFoundError
 from pipellm.worker.net import interface_of, listening_socket
@@ -72,3 +77,56 @@ def test_a_tensor_parallel_stage_takes_its_ranks_on_one_host():
     assert [bundles[i] for i in order] == ["a", "a", "b", "b", "c", "c", "a", "b"]
     assert sorted(order) == list(range(8))
     assert rank_order(bundles, first_node="a", tp_size=1) == stage_order(bundles, "a")
+
+
+class _Stage:
+    """A stage actor's stand-in: its pings answer at once, or never (a host gone silent)."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+        self.ping = self  # actor.ping.remote().future(), as Ray spells it
+
+    def remote(self) -> _Stage:
+        return self
+
+    def future(self) -> Future:
+        future: Future = Future()
+        if self.answers:
+            future.set_result(True)
+        return future
+
+
+def _executor_with(stages: list[_Stage]) -> RayExecutor:
+    executor = RayExecutor.__new__(RayExecutor)  # the health check only, no Ray
+    executor.num_stages, executor.tp_size, executor.actors = len(stages), 1, stages
+    executor.locations = [
+        StageLocation(f"10.0.0.{rank + 1}", f"node-{rank}", f"h{rank}", 40 + rank, "")
+        for rank in range(len(stages))
+    ]
+    executor._pending, executor._pings, executor._idle_since = PendingOutputs(), [], None
+    executor._failing, executor._failed = threading.Lock(), False
+    return executor
+
+
+def check_for(executor: RayExecutor, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        executor.check_health()  # the engine's idle loop does this every second
+        time.sleep(0.01)
+
+
+def test_an_idle_stage_that_stops_answering_pings_fails_the_executor(monkeypatch):
+    monkeypatch.setattr(ray_executor, "IDLE_PING_TIMEOUT_S", 0.2)
+    check_for(_executor_with([_Stage(answers=True), _Stage(answers=True)]), 0.5)
+    silent = _executor_with([_Stage(answers=True), _Stage(answers=False)])
+    with pytest.raises(WorkerDiedError) as error:
+        check_for(silent, 5.0)
+    assert str(error.value).startswith(
+        "pipeline stage 1 (host 10.0.0.2, pid 41) did not answer a ping within 0.2 s while the "
+        "pipeline was idle"
+    )
+    # Pings queue behind steps: with a micro-batch in flight, a slow answer is no failure
+    # (a step that never ends fails through the step's own error, not here).
+    busy = _executor_with([_Stage(answers=True), _Stage(answers=False)])
+    busy._pending.add()
+    check_for(busy, 0.5)

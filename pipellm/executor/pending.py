@@ -31,6 +31,12 @@ class PendingOutputs:
         future.set_exception(WorkerDiedError(self.dead))
         return future
 
+    @property
+    def idle(self) -> bool:
+        """No micro-batch in flight."""
+        with self._lock:
+            return not self._futures
+
     def resolve_oldest(self, output: ModelOutput) -> None:
         with self._lock:
             if not self._futures:

@@ -38,6 +38,12 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0
 CLOCK_SAMPLES = 5
 DIAGNOSE_TIMEOUT_S = 3.0  # a live stage answers a ping queued behind failing steps
+# An idle stage answers a ping in about a millisecond; Linux's scheduler runs every runnable
+# thread within tens of milliseconds even with dozens competing for 2 cores (CFS: about 3 ms
+# per runnable thread), so 5 s unanswered while nothing is in flight means a stage whose host
+# is gone, cut off or frozen, never a busy one. Ray itself takes 15-25 s to declare such a
+# host dead (its node health check), or forever for a frozen stage process.
+IDLE_PING_TIMEOUT_S = 5.0
 
 
 class RayExecutor(RemoteStagesExecutor):
@@ -103,7 +109,8 @@ class RayExecutor(RemoteStagesExecutor):
                 loc.pid,
                 self.clock_offsets[rank] * 1e3,
             )
-        self._pings: list[Any] = []
+        self._pings: list[Future[Any]] = []
+        self._idle_since: float | None = None  # when the unanswered ping round went out idle
 
     def _wait_all(self, refs: list[Any], what: str) -> list[Any]:
         """Results of one startup phase; the first failure raises at once, naming its stage."""
@@ -148,6 +155,7 @@ class RayExecutor(RemoteStagesExecutor):
         future = self._pending.add()
         if future.done():
             return future
+        self._idle_since = None  # the ping round now races steps: stop timing it
         refs = [actor.step.remote(scheduler_output) for actor in self.actors]
         for rank, ref in enumerate(refs):
             if rank != self.output_rank:
@@ -200,12 +208,34 @@ class RayExecutor(RemoteStagesExecutor):
     def check_health(self) -> None:
         """Raises if a stage failed; pings every stage, so a stage whose host died while the
         engine is idle (when the engine calls this) is noticed, too. A ping queues behind the
-        stage's steps, so none is sent while earlier pings are unanswered."""
+        stage's steps, so none is sent while earlier pings are unanswered, and a round is
+        timed only while no micro-batch is in flight: unanswered for IDLE_PING_TIMEOUT_S, it
+        fails the executor naming the silent stages, long before Ray gives up on their host."""
         self._raise_if_dead()
-        if all(ping.future().done() for ping in self._pings):
-            self._pings = [actor.ping.remote() for actor in self.actors]
+        now = time.monotonic()
+        if all(ping.done() for ping in self._pings):
+            self._pings = [actor.ping.remote().future() for actor in self.actors]
+            self._idle_since = now if self._pending.idle else None
             for rank, ping in enumerate(self._pings):
-                ping.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
+                ping.add_done_callback(lambda f, rank=rank: self._check(f, rank))
+        elif self._idle_since is not None and now - self._idle_since > IDLE_PING_TIMEOUT_S:
+            self._fail_silent_stages()
+        self._raise_if_dead()
+
+    def _fail_silent_stages(self) -> None:
+        with self._failing:
+            if self._failed:
+                return
+            self._failed = True
+        silent = [
+            f"{self._name(rank)} ({self._where(rank)})"
+            for rank, ping in enumerate(self._pings)
+            if not ping.done()
+        ]
+        self._pending.fail(
+            f"{', '.join(silent)} did not answer a ping within {IDLE_PING_TIMEOUT_S:g} s while "
+            "the pipeline was idle: its host is gone or unreachable, or the stage process hung"
+        )
 
 
 @dataclass
