@@ -25,12 +25,12 @@ test: install
 	$(PY) -m pytest -q -x tests
 
 lint: install
-	$(VENV)/bin/ruff check pipellm tests bench
-	$(VENV)/bin/ruff format --check pipellm tests bench
+	$(VENV)/bin/ruff check pipellm tests
+	$(VENV)/bin/ruff format --check pipellm tests
 
 format: install
-	$(VENV)/bin/ruff format pipellm tests bench
-	$(VENV)/bin/ruff check --fix pipellm tests bench
+	$(VENV)/bin/ruff format pipellm tests
+	$(VENV)/bin/ruff check --fix pipellm tests
 
 clean:
 	rm -rf $(VENV)

@@ -7,17 +7,21 @@ Names follow vLLM's engine arguments, so `LLM(model, max_num_seqs=8, ...)` and
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from pipellm.loader.source import ModelSource, load_model_config, resolve_model
+from pipellm.loader.weights import check_gguf_tensor_parallel
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
-from pipellm.model.source import ModelSource, load_model_config, resolve_model
+from pipellm.model.stage_spec import StageSpec, stage_specs
 from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
-from pipellm.model.weights import check_gguf_tensor_parallel
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -27,7 +31,7 @@ DTYPES = {
     "half": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("gguf", "none")
+QUANTIZATIONS = ("gguf", "gguf_int8", "none")
 BACKENDS = ("uni", "mp", "ray", "sim")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
 # Where the model, its KV cache and the sampler run. Only the CPU path is built so far, so a
@@ -51,6 +55,9 @@ class EngineConfig:
     load_format: str = "auto"
     # gguf: linear layers compute on a GGUF file's Q4_1/Q8_0 weights as stored (exactly the
     # same results, a 5x smaller weight stream); none: dequantize every weight to `dtype`.
+    # gguf_int8 (opt-in, changes numerics): gguf, with activations rounded to int8 per 32
+    # values for VNNI integer dot products, as llama.cpp does (faster decode; top-1 agreement
+    # with float32 in docs/performance.md; needs AVX-512 VNNI).
     # None (auto): gguf for a GGUF model run in float32, else none.
     quantization: str | None = None
     seed: int = 0
@@ -61,7 +68,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes of KV cache over all stages (CPU)
-    gpu_memory_utilization: float = 0.9
+    # vLLM's GPU settings, accepted so vLLM scripts and command lines run unchanged; pipellm
+    # runs on CPU, where they do nothing (a warning says so; kv_cache_memory sizes the cache).
+    gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
@@ -102,7 +111,11 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             _fail("load_format", self.load_format, f"use one of {', '.join(LOAD_FORMATS)}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            _fail("quantization", self.quantization, "use gguf, none, or leave it unset (auto)")
+            _fail(
+                "quantization",
+                self.quantization,
+                "use gguf, gguf_int8, none, or leave it unset (auto)",
+            )
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             _fail("kv_cache_dtype", self.kv_cache_dtype, f"use auto or one of {', '.join(DTYPES)}")
         if self.distributed_executor_backend is None:
@@ -118,19 +131,25 @@ class EngineConfig:
             _fail("distributed_executor_backend", "ray", "install Ray: pip install 'pipellm[ray]'")
         if self.distributed_executor_backend == "uni" and self.pipeline_parallel_size > 1:
             _fail("distributed_executor_backend", "uni", "pipeline stages need mp, ray or sim")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend != "mp":
-            # NOTE: the Ray backend places one actor per stage; its TP ranks are not wired yet.
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend not in ("mp", "ray"):
             _fail(
                 "distributed_executor_backend",
                 self.distributed_executor_backend,
-                "tensor_parallel_size > 1 runs one process per rank, with the mp backend only "
-                "so far: use mp",
+                "tensor_parallel_size > 1 runs one process per rank: use mp or ray",
             )
         self._check_cores()
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             _fail("kv_cache_memory", self.kv_cache_memory, "use a positive number of bytes")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use a value in (0, 1]")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use (0, 1]")
+            if DEVICE != "cuda":
+                logger.warning(
+                    "gpu_memory_utilization has no effect on CPU; kv_cache_memory (CLI: "
+                    "--kv-cache-memory) sizes the KV cache"
+                )
+        if self.max_cudagraph_capture_size is not None and DEVICE != "cuda":
+            logger.warning("max_cudagraph_capture_size has no effect on CPU; ignored")
         if self.pp_chunk_sizing not in ("fixed", "cost"):
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
         if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
@@ -161,10 +180,24 @@ class EngineConfig:
         if self.quantization is None:
             use = has_gguf_weights and self.torch_dtype == torch.float32
             self.quantization = "gguf" if use else "none"
-        elif self.quantization == "gguf" and not has_gguf_weights:
-            _fail("quantization", "gguf", "it needs a .gguf model (and not load_format=dummy)")
-        elif self.quantization == "gguf" and self.torch_dtype != torch.float32:
-            _fail("quantization", "gguf", f"its kernel computes in float32, not {self.dtype}")
+        elif self.quantization.startswith("gguf") and not has_gguf_weights:
+            _fail(
+                "quantization",
+                self.quantization,
+                "it needs a .gguf model (and not load_format=dummy)",
+            )
+        elif self.quantization.startswith("gguf") and self.torch_dtype != torch.float32:
+            _fail(
+                "quantization",
+                self.quantization,
+                f"its kernel computes in float32, not {self.dtype}",
+            )
+        elif self.quantization == "gguf_int8":
+            from pipellm.kernels.cpu_kernels import int8_activations_unavailable
+
+            reason = int8_activations_unavailable()
+            if reason is not None:
+                _fail("quantization", "gguf_int8", f"{reason}; use gguf (exact) instead")
 
     def _apply_sim_profile(self) -> None:
         """A profile that states the pipeline's KV capacity sets the cache size, unless
@@ -225,6 +258,10 @@ class EngineConfig:
                 self.pipeline_parallel_size,
                 f"the model has only {layers} layers; use at most {layers} stages",
             )
+        try:
+            self.stage(0)  # a bad layer partition fails here, before any stage starts
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     def _check_cores(self) -> None:
         """T x P processes, each with its own threads: more of them than cores would make
@@ -271,6 +308,10 @@ class EngineConfig:
             return self.num_threads
         ranks = self.pipeline_parallel_size * self.tensor_parallel_size
         return max(1, (os.cpu_count() or 1) // ranks)
+
+    def stage(self, index: int) -> StageSpec:
+        """Pipeline stage `index`: its layers and its first/last role."""
+        return stage_specs(self.model_config.num_hidden_layers, self.pipeline_parallel_size)[index]
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -134,7 +134,7 @@ def test_summarize_names_percentiles_like_result_files() -> None:
     assert summary["p50_itl_ms"] == summary["median_itl_ms"] == 2.5
 
 
-# The seed's "mp backend, after" table, trailing spaces trimmed per line.
+# vLLM issue #27462's "mp backend, after" table, trailing spaces trimmed per line.
 SEED_TABLE = """\
 ============ Serving Benchmark Result ============
 Successful requests:                     256

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from pipellm.entrypoints.server_process import ServerProcess
+from pipellm.bench.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
 
 

@@ -99,5 +99,5 @@ def test_double_free_is_caught():
     blocks = list(request.block_ids)
     bm.free(request)
     request.block_ids = blocks
-    with pytest.raises(AssertionError):
+    with pytest.raises(RuntimeError, match="freed twice"):
         bm.free(request)

@@ -9,7 +9,7 @@ from pipellm import LLM, SamplingParams
 from pipellm.config import EngineConfig
 from pipellm.engine.chunk_cost import ChunkCostModel
 from pipellm.engine.core import EngineCore
-from pipellm.engine.scheduler_output import SchedulerOutput
+from pipellm.protocol import SchedulerOutput
 from tests.checkpoints import make_tiny_checkpoint
 from tests.test_scheduler import add, fake_output, make_scheduler, run, two_stage_scheduler
 
@@ -27,7 +27,7 @@ def test_a_lone_prompt_fills_every_micro_batch():
         num_blocks=512,
         max_num_batched_tokens=2048,
         max_model_len=2048,
-        num_micro_batches=4,
+        num_stages=4,
         pp_microbatch_tokens=100,
     )
     add(scheduler, "long", prompt_len=1000, max_tokens=3)
@@ -43,7 +43,7 @@ def test_the_sampling_chunk_goes_last_and_decodes_wait_for_its_token():
         num_blocks=128,
         max_num_batched_tokens=2048,
         max_model_len=1024,
-        num_micro_batches=4,
+        num_stages=4,
         pp_microbatch_tokens=64,
     )
     add(scheduler, "long", prompt_len=300, max_tokens=4)
@@ -56,7 +56,7 @@ def test_the_sampling_chunk_goes_last_and_decodes_wait_for_its_token():
 
 def test_balancing_off_still_overlaps_a_prompt_longer_than_the_token_cap():
     scheduler = make_scheduler(
-        num_blocks=128, max_num_batched_tokens=64, num_micro_batches=3, pp_balance=False
+        num_blocks=128, max_num_batched_tokens=64, num_stages=3, pp_balance=False
     )
     add(scheduler, "long", prompt_len=200, max_tokens=2)
     depths = []
@@ -72,7 +72,7 @@ def test_mixed_load_with_preemption_and_prefix_caching_finishes_cleanly():
     """Small KV pool, shared prefixes, three micro-batches in flight: requests with chunks in
     flight are never preempted (the scheduler asserts it), all finish, every block returns."""
     scheduler = two_stage_scheduler(
-        num_blocks=48, block_size=4, max_num_seqs=6, num_micro_batches=3, pp_microbatch_tokens=16
+        num_blocks=48, block_size=4, max_num_seqs=6, num_stages=3, pp_microbatch_tokens=16
     )
     requests = [
         add(scheduler, str(i), prompt_len=20 + 13 * (i % 4), max_tokens=9) for i in range(12)
@@ -97,12 +97,12 @@ def test_mixed_load_with_preemption_and_prefix_caching_finishes_cleanly():
 
 def test_abort_with_chunks_in_flight_frees_blocks_after_the_last_returns():
     scheduler = make_scheduler(
-        num_blocks=128, max_num_batched_tokens=2048, num_micro_batches=3, pp_microbatch_tokens=40
+        num_blocks=128, max_num_batched_tokens=2048, num_stages=3, pp_microbatch_tokens=40
     )
     add(scheduler, "a", prompt_len=200, max_tokens=5)
     outs = [scheduler.schedule() for _ in range(3)]
     assert all(o.requests[0].request_id == "a" for o in outs)
-    scheduler.finish_request("a", "abort")
+    scheduler.stop_request("a", "abort")
     assert scheduler.schedule() is None, "an aborted request schedules nothing more"
     bm = scheduler.block_manager
     for out in outs[:2]:
@@ -116,7 +116,7 @@ def test_abort_with_chunks_in_flight_frees_blocks_after_the_last_returns():
 
 def test_blocks_are_cacheable_only_once_their_chunk_returns():
     scheduler = make_scheduler(
-        num_blocks=128, max_num_batched_tokens=2048, num_micro_batches=2, pp_microbatch_tokens=40
+        num_blocks=128, max_num_batched_tokens=2048, num_stages=2, pp_microbatch_tokens=40
     )
     first = add(scheduler, "a", prompt_len=100, max_tokens=2)
     out = scheduler.schedule()  # 50 tokens: blocks 0-11 full once it returns
@@ -145,7 +145,7 @@ def test_cost_balanced_chunks_shrink_along_a_long_prompt_and_cost_the_same():
         num_blocks=1024,
         max_num_batched_tokens=4096,
         max_model_len=4096,
-        num_micro_batches=2,
+        num_stages=2,
         pp_microbatch_tokens=128,
         chunk_cost=model,
     )
@@ -194,7 +194,7 @@ def test_same_greedy_tokens_with_the_chunked_pipeline_on_and_off(
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         if stages > 1:
-            assert llm.engine.stats()["pipeline"]["max_queue_depth"] == stages
+            assert llm.engine.stats().pipeline["max_queue_depth"] == stages
 
 
 @pytest.mark.parametrize("chunked_pipeline", [True, False])

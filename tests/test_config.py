@@ -10,7 +10,8 @@ import pytest
 from pipellm import LLM, SamplingParams
 from pipellm.config import ConfigError, EngineConfig
 from pipellm.entrypoints.engine_args import add_engine_args
-from pipellm.model.source import ModelNotFoundError
+from pipellm.kernels import cpu_kernels
+from pipellm.loader.source import ModelNotFoundError
 from tests.checkpoints import make_tiny_checkpoint
 
 
@@ -40,6 +41,7 @@ def tiny(tmp_path_factory):
         (dict(pp_chunk_sizing="even"), "pp_chunk_sizing='even'"),
         (dict(quantization="awq"), "quantization='awq'"),
         (dict(quantization="gguf"), "needs a .gguf model"),
+        (dict(quantization="gguf_int8"), "needs a .gguf model"),
     ],
 )
 def test_bad_settings_are_named(tiny, settings, message):
@@ -55,6 +57,16 @@ def test_quantization_auto_keeps_gguf_weights_only_for_float32_gguf_models(tiny)
     assert EngineConfig(quantization="none").quantization == "none"
     with pytest.raises(ConfigError, match="computes in float32"):
         EngineConfig(quantization="gguf", dtype="bfloat16")
+
+
+def test_int8_activations_need_their_kernel_level(monkeypatch):
+    """gguf_int8 runs only on the avx512 level's VNNI kernel: asked for elsewhere, the setting
+    fails before anything is built, naming why and the exact alternative."""
+    monkeypatch.setenv("PIPELLM_CPU_ISA", "avx2")
+    if "avx2" not in cpu_kernels.supported_levels() or cpu_kernels.why_unavailable():
+        monkeypatch.setenv("PIPELLM_CPU_KERNELS", "0")
+    with pytest.raises(ConfigError, match="quantization='gguf_int8'.*use gguf"):
+        EngineConfig(quantization="gguf_int8")
 
 
 def test_unsupported_rope_scaling_fails_before_any_process_starts(tmp_path):
@@ -98,7 +110,7 @@ def test_dummy_weights_need_only_the_config(tiny, tmp_path):
 
 def test_prompt_longer_than_max_model_len_is_rejected(tiny):
     with LLM(tiny, max_model_len=32) as llm:
-        with pytest.raises(ValueError, match="max_model_len is 32"):
+        with pytest.raises(ValueError, match="maximum context length is 32 tokens"):
             llm.generate([[5] * 8, [5] * 40], use_tqdm=False)
         # The engine is still usable afterwards.
         out = llm.generate([[5] * 8], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
@@ -125,3 +137,13 @@ def test_a_visible_gpu_does_not_change_the_cpu_defaults(tiny, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = EngineConfig(model=str(tiny))
     assert config.torch_dtype == torch.float32
+
+
+def test_gpu_only_settings_are_accepted_with_a_warning_and_change_nothing(tiny, caplog):
+    """vLLM scripts pass gpu_memory_utilization; on CPU it must neither fail nor be silently
+    taken as a cache size: kv_cache_memory alone sizes the KV cache."""
+    plain = EngineConfig(model=tiny, load_format="dummy")
+    with caplog.at_level("WARNING", logger="pipellm.config"):
+        gpu = EngineConfig(model=tiny, load_format="dummy", gpu_memory_utilization=0.5)
+    assert "gpu_memory_utilization has no effect on CPU" in caplog.text
+    assert gpu.num_kv_blocks == plain.num_kv_blocks

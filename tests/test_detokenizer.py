@@ -6,9 +6,9 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from pipellm.model.detokenizer import IncrementalDetokenizer
-from pipellm.model.source import resolve_model
-from pipellm.model.tokenizer import Tokenizer, load_tokenizer
+from pipellm.loader.source import resolve_model
+from pipellm.text.detokenizer import IncrementalDetokenizer
+from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from tests.checkpoints import make_tiny_tokenizer
 
 TEXTS = [

@@ -67,7 +67,7 @@ def same_on_every_level(run) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 7, 16, 65, 200])
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 65, 200, 400])
 def test_gemms_bit_identical_across_levels(rows):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 608, generator=generator)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules, TokenCounts, apply_logits_rules
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from tests.checkpoints import make_tiny_checkpoint
 
 VOCAB = 12

@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from pipellm.kernels.cpu_kernels import why_unavailable
+from pipellm.loader.source import load_model_config, resolve_model
+from pipellm.loader.weights import iter_weights
 from pipellm.model import linear
 from pipellm.model.attention import gather_blocks
 from pipellm.model.llama import LlamaStage
-from pipellm.model.source import load_model_config, resolve_model
-from pipellm.model.weights import iter_weights
+from pipellm.model.stage_spec import StageSpec
 from tests.checkpoints import make_tiny_checkpoint
 
 
@@ -44,10 +45,10 @@ def test_fused_projections_load_in_any_checkpoint_order(tmp_path) -> None:
     source = resolve_model(str(directory))
     config = load_model_config(source)
     layers = config.num_hidden_layers
-    weights = list(iter_weights(source, config, 0, layers, True, True, torch.float32))
+    weights = list(iter_weights(source, config, StageSpec(0, 1, 0, layers), torch.float32))
     stages = []
     for order in (weights, weights[::-1]):
-        stage = LlamaStage(config, 0, layers, True, True, torch.float32)
+        stage = LlamaStage(config, StageSpec(0, 1, 0, layers), torch.float32)
         stage.load_weights(order)
         stages.append(stage.state_dict())
     assert stages[0].keys() == stages[1].keys()
@@ -62,8 +63,8 @@ def test_missing_shard_is_reported(tmp_path) -> None:
     directory = make_tiny_checkpoint(tmp_path / "m")
     source = resolve_model(str(directory))
     config = load_model_config(source)
-    weights = iter_weights(source, config, 0, 2, True, False, torch.float32)
-    stage = LlamaStage(config, 0, 2, True, False, torch.float32)
+    weights = iter_weights(source, config, StageSpec(0, 2, 0, 2), torch.float32)
+    stage = LlamaStage(config, StageSpec(0, 2, 0, 2), torch.float32)
     with pytest.raises(ValueError, match="layers.1.mlp.up_proj.weight"):
         stage.load_weights((n, t) for n, t in weights if n != "model.layers.1.mlp.up_proj.weight")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipellm.model.registry import BUILTIN_DEFAULT_MODEL, find_preset
-from pipellm.model.source import (
+from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset
+from pipellm.loader.source import (
     ModelNotFoundError,
     ModelSource,
     load_model_config,

@@ -17,9 +17,9 @@ import torch
 import transformers
 
 from pipellm import LLM, SamplingParams
-from pipellm.entrypoints.server_process import ServerProcess
-from pipellm.model.source import resolve_model
-from pipellm.model.tokenizer import load_tokenizer
+from pipellm.bench.server_process import ServerProcess
+from pipellm.loader.source import resolve_model
+from pipellm.text.tokenizer import load_tokenizer
 from tests.checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

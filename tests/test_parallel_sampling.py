@@ -30,8 +30,8 @@ def test_seeded_samples_are_reproducible_and_each_is_seed_plus_index(llm):
 
 def test_the_prompt_blocks_are_allocated_once(llm):
     engine, bm = llm.engine, llm.engine.block_manager
-    bm.reset_prefix_cache()  # no help from earlier tests: the samples share by forking
-    engine.add_request("r", PROMPT, PARAMS)
+    prompt = PROMPT[::-1]  # no earlier test cached it: the samples share by forking alone
+    engine.add_request("r", prompt, PARAMS)
     # The first sample's prompt goes alone; the others join the next micro-batch and take its
     # two full prompt blocks (ref count 4), each computing only the 8-token tail.
     engine.step()

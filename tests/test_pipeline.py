@@ -16,8 +16,8 @@ import pytest
 from pipellm import LLM, SamplingParams
 from pipellm.config import EngineConfig
 from pipellm.engine.core import EngineCore
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from tests.checkpoints import make_tiny_checkpoint
 from tests.conftest import assert_no_children
 
@@ -50,7 +50,7 @@ def test_same_tokens_at_every_pipeline_size(six_layers, reaped, stages, balance,
     with LLM(str(directory), **engine_args) as llm:
         outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
-        summary = llm.engine.stats()["pipeline"]
+        summary = llm.engine.stats().pipeline
         assert len(summary["stage_busy_fraction"]) == stages
         if balance:
             assert summary["max_queue_depth"] >= 2, "micro-batches overlapped"
@@ -73,7 +73,9 @@ class RecordingExecutor(Executor):
         self.sampling_overlaps.append({r.request_id for r in in_flight if r.sample} & ids)
         self.depths.append(len(self.core.in_flight) + 1)
         future: Future[ModelOutput] = Future()
-        future.set_result(ModelOutput(scheduler_output.step_id, [7] * scheduler_output.num_sampled))
+        future.set_result(
+            ModelOutput(scheduler_output.micro_batch_id, [7] * scheduler_output.num_sampled)
+        )
         return future
 
     def check_health(self) -> None:
@@ -100,7 +102,7 @@ def run_with_recorder(
     recorder.core = core
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     next_id = 0
-    # Keep 8 requests open, like a client with max concurrency 8 (the seed's workload).
+    # Keep 8 requests open, like a client with max concurrency 8 (vLLM issue #27462's workload).
     while next_id < num or core.has_unfinished_requests():
         while next_id < num and len(core.scheduler.requests) < 8:
             core.add_request(str(next_id), [5] * prompt_len, params)

@@ -44,7 +44,7 @@ def test_running_totals_keep_counting_past_the_kept_records():
     stats.on_done(1, [(1.0, 2.0), (2.0, 3.0)])
     stats.on_submit(2, 1, 10, 1)
     stats.on_done(2, [(10.0, 11.0), (11.0, 11.5)])
-    assert [r.step_id for r in stats.records] == [1, 2], "the newest records are kept"
+    assert [r.micro_batch_id for r in stats.records] == [1, 2], "the newest records are kept"
     assert stats.active_total == pytest.approx(5.0)  # [0, 3] and [10, 12]
     assert stats.stage_busy_total == pytest.approx([3.0, 2.5])
     assert stats.summary(since=5.0)["stage_busy_s"] == pytest.approx([1.0, 0.5])

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from pipellm.config import EngineConfig
-from pipellm.executor.net import interface_of, listening_socket
-from pipellm.executor.ray_cluster import stage_order
+from pipellm.executor.ray_cluster import rank_order, stage_order
 from pipellm.executor.ray_executor import _clock_offset
 from pipellm.executor.ray_stage import config_for_this_host
-from pipellm.model.registry import BUILTIN_DEFAULT_MODEL, find_preset
-from pipellm.model.source import ModelNotFoundError
+from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset
+from pipellm.loader.source import ModelNotFoundError
+from pipellm.worker.net import interface_of, listening_socket
 from tests.checkpoints import make_tiny_checkpoint
 
 
@@ -62,3 +62,13 @@ def test_a_stage_clock_offset_is_measured_across_the_round_trip():
         return reading
 
     assert _clock_offset(remote_clock) == pytest.approx(5.0, abs=0.002)
+
+
+def test_a_tensor_parallel_stage_takes_its_ranks_on_one_host():
+    # Host a holds 3 bundles, b 3, c 2: stages of 2 ranks take (a, a), (b, b), (c, c) whole
+    # and the last stage the two left over, one on a and one on b (it all-reduces over gloo).
+    bundles = {0: "a", 1: "b", 2: "a", 3: "c", 4: "b", 5: "a", 6: "c", 7: "b"}
+    order = rank_order(bundles, first_node="a", tp_size=2)
+    assert [bundles[i] for i in order] == ["a", "a", "b", "b", "c", "c", "a", "b"]
+    assert sorted(order) == list(range(8))
+    assert rank_order(bundles, first_node="a", tp_size=1) == stage_order(bundles, "a")

@@ -99,7 +99,8 @@ def test_eos_stops_unless_ignored():
     def run(params: SamplingParams) -> str | None:
         request = Request("r", [1, 2, 3], params, eos_token_ids=(9,))
         request.append_output_token(9)
-        return request.finish_reason if request.check_token_stop(max_model_len=100) else None
+        stop = request.token_stop(max_model_len=100)
+        return stop[0] if stop else None
 
     assert run(SamplingParams()) == "stop"
     assert run(SamplingParams(ignore_eos=True)) is None

@@ -6,7 +6,7 @@ from collections import deque
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.request import Request
 from pipellm.engine.scheduler import Scheduler, SchedulerConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 
 
@@ -29,14 +29,14 @@ def two_stage_scheduler(**overrides) -> Scheduler:
         max_num_seqs=8,
         max_num_batched_tokens=8192,
         max_model_len=2048,
-        num_micro_batches=2,
+        num_stages=2,
     )
     settings.update(overrides)
     return make_scheduler(**settings)
 
 
 def fake_output(out: SchedulerOutput) -> ModelOutput:
-    return ModelOutput(out.step_id, [7] * out.num_sampled)
+    return ModelOutput(out.micro_batch_id, [7] * out.num_sampled)
 
 
 def add(scheduler: Scheduler, request_id: str, prompt_len: int, max_tokens: int) -> Request:
@@ -138,7 +138,7 @@ def test_without_the_chunked_pipeline_a_request_is_in_one_in_flight_micro_batch(
     scheduler = make_scheduler(
         max_num_seqs=8,
         max_num_batched_tokens=64,
-        num_micro_batches=4,
+        num_stages=4,
         enable_chunked_pipeline=False,
     )
     for i in range(16):
@@ -156,7 +156,7 @@ def test_without_the_chunked_pipeline_a_request_is_in_one_in_flight_micro_batch(
 
 
 def test_seed_rule_limits_admissions_per_micro_batch():
-    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=1000, num_micro_batches=2)
+    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=1000, num_stages=2)
     for i in range(8):
         add(scheduler, str(i), prompt_len=10, max_tokens=3)
     first = scheduler.schedule()
@@ -166,7 +166,7 @@ def test_seed_rule_limits_admissions_per_micro_batch():
 
 def test_without_balancing_one_micro_batch_takes_everything():
     scheduler = make_scheduler(
-        max_num_seqs=8, max_num_batched_tokens=1000, num_micro_batches=2, pp_balance=False
+        max_num_seqs=8, max_num_batched_tokens=1000, num_stages=2, pp_balance=False
     )
     for i in range(8):
         add(scheduler, str(i), prompt_len=10, max_tokens=3)
@@ -178,7 +178,7 @@ def test_abort_while_in_flight_frees_blocks_when_output_returns():
     scheduler = make_scheduler()
     add(scheduler, "a", prompt_len=10, max_tokens=5)
     out = scheduler.schedule()
-    scheduler.finish_request("a", "abort")
+    scheduler.stop_request("a", "abort")
     assert scheduler.block_manager.num_free_blocks < scheduler.block_manager.num_blocks
     scheduler.update_from_output(out, fake_output(out))
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
@@ -210,7 +210,7 @@ def test_balanced_micro_batches_are_capped_when_the_pipeline_can_be_full():
         add(scheduler, str(i), prompt_len=1000, max_tokens=4)
     sizes = [out.num_tokens for out in run(scheduler, depth=2) if len(out.requests) > 1]
     assert max(sizes) == 300
-    # Without balancing the cap does not apply: the seed's one big micro-batch.
+    # Without balancing the cap does not apply: the one big micro-batch of vLLM before issue #27462.
     unbalanced = two_stage_scheduler(pp_microbatch_tokens=300, pp_balance=False)
     for i in range(6):
         add(unbalanced, str(i), prompt_len=1000, max_tokens=4)
@@ -243,7 +243,7 @@ def test_without_the_chunked_pipeline_a_lone_prompt_is_not_split():
     scheduler = make_scheduler(
         max_num_batched_tokens=4096,
         max_model_len=2048,
-        num_micro_batches=2,
+        num_stages=2,
         num_blocks=256,
         enable_chunked_pipeline=False,
     )

@@ -1,4 +1,4 @@
-"""`pipellm serve` as processes: pipeline stages, the seed's command line, a killed engine,
+"""`pipellm serve` as processes: pipeline stages, vLLM issue #27462's command line, a killed engine,
 signals, startup failures and flag errors. Every test checks that no process outlives it."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from pipellm import LLM, SamplingParams
+from pipellm.bench.server_process import ServerProcess
 from pipellm.entrypoints import cli
-from pipellm.entrypoints.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
 from tests.conftest import live_children
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(150)
 
 SMALL_KV_CACHE = ["--kv-cache-memory", str(16 * 2**20)]
 PROMPT = "Pipeline parallelism keeps"
-# The seed's command line (`vllm serve MODEL ...`), flags unchanged.
+# vLLM issue #27462's command line (`vllm serve MODEL ...`), flags unchanged.
 SEED_FLAGS = (
     "--trust-remote-code --host 0.0.0.0 --port 8000 --pipeline-parallel-size 8 "
     "--tensor-parallel-size 1 --max-num-seqs 8 --max-cudagraph-capture-size 8 --max-model-len 4042 "
@@ -136,7 +136,7 @@ def test_seed_command_line_starts_and_sigterm_reaps_everything(tmp_path_factory)
         assert server.process.returncode == 0, server.log[-3000:]
         assert survivors == []
         stream.close()
-    for flag in ("--max-cudagraph-capture-size", "--gpu-memory-utilization", "--trust-remote-code"):
+    for flag in ("max_cudagraph_capture_size", "gpu_memory_utilization", "--trust-remote-code"):
         assert server.log.count(flag) == 1, f"{flag} is not reported once"
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["tid"] for e in events if e["ph"] == "X"} == set(range(8))

@@ -11,8 +11,8 @@ import traceback
 import pytest
 import torch
 
-from pipellm.executor.net import free_port
 from pipellm.parallel.shm_comm import PREFIX, SHM_DIR, SLOT_BYTES, shm_comm_available
+from pipellm.worker.net import free_port
 
 pytestmark = pytest.mark.skipif(not shm_comm_available(), reason="no shared-memory kernel")
 TIMEOUT_S = 60

@@ -2,8 +2,8 @@
 
 from pipellm.config import EngineConfig
 from pipellm.engine.core import EngineCore
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pipellm.executor.sim import STEP_OVERHEAD_S, cpu_profile
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from pipellm.sim.shapes import BatchShape
 from tests.checkpoints import make_tiny_checkpoint
@@ -39,7 +39,9 @@ def test_seed_scenario_before_and_after(tmp_path):
     model = str(make_tiny_checkpoint(tmp_path / "m", num_layers=8))
     before = run_seed_workload(model, balance=False).pipeline_stats.summary()
     after = run_seed_workload(model, balance=True).pipeline_stats.summary()
-    assert before["max_queue_depth"] == 1, "the seed's 'before': one micro-batch at a time"
+    assert before["max_queue_depth"] == 1, (
+        "unbalanced (vLLM before #27462): one micro-batch at a time"
+    )
     assert after["max_queue_depth"] == 8, "balanced: every stage has its own micro-batch"
     assert len(after["stage_busy_fraction"]) == 8
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from pipellm.config import ConfigError, EngineConfig
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sim.profile import ProfileError, load_profile
 from pipellm.sim.shapes import BatchShape, model_shape
 from tests.sim_models import make_word_model, write_profile
 
-PROFILES = Path(__file__).parent.parent / "bench" / "profiles"
+PROFILES = Path(__file__).parent.parent / "pipellm" / "bench" / "profiles"
 DEEPSEEK = json.loads((PROFILES / "deepseek_r1_0528_config.json").read_text())
 
 

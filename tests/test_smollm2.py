@@ -1,10 +1,11 @@
-"""The built-in model: a real answer, and the same tokens split over two pipeline stages."""
+"""The built-in model: a real answer, and the same tokens split over two pipeline stages or
+two tensor-parallel ranks."""
 
 import pytest
 
 from pipellm import LLM, SamplingParams
-from pipellm.kernels.cpu_kernels import cpu_kernels_available
-from pipellm.model import weights
+from pipellm.kernels.cpu_kernels import cpu_kernels_available, int8_activations_unavailable
+from pipellm.loader import weights
 from pipellm.model.gguf_linear import QuantizedLinear
 from pipellm.model.linear import PackedLinear
 
@@ -48,6 +49,18 @@ def test_two_and_three_stages_give_the_same_tokens(single_stage, reaped):
         assert "Paris" in answer[0].outputs[0].text
 
 
+def test_tensor_parallel_gives_the_same_tokens(single_stage, reaped):
+    """T = 2 splits SmolLM2's 9 query / 3 KV heads 6 + 3 (2 + 1 KV heads) and its Q4_1 rows on
+    their 32-value blocks; alone and with two pipeline stages (4 ranks, 1 thread each), the
+    greedy tokens are one process's."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in single_stage.generate(PROMPTS, params)]
+    for tp, pp in ((2, 1), (2, 2)):
+        with LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=1) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert got == expected, (tp, pp)
+
+
 def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
     """By default the Q4_1/Q8_0 weights stay quantized (model/gguf_linear.py); the results are
     those of the float32 weights, to the last bit of every logprob."""
@@ -65,6 +78,34 @@ def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
     for a, b in zip(quantized, dequantized, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_int8_activations_keep_nearly_every_greedy_token(single_stage):
+    """quantization="gguf_int8" (opt-in) rounds activations to int8: not the same bits, but
+    read with the exact path's own continuations as context (teacher-forced), its top-1 token
+    is the exact one nearly everywhere (pipellm/bench/int8_agreement.py measures it at scale)."""
+    if int8_activations_unavailable() is not None:
+        pytest.skip(f"int8 activations unavailable: {int8_activations_unavailable()}")
+    runs = single_stage.generate(PROMPTS, GREEDY)
+    texts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in runs]
+    read = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+
+    def top1(llm):
+        outputs = llm.generate(texts, read)
+        entries = [entry for o in outputs for entry in o.prompt_logprobs[1:]]
+        return [top[0][0] for _, top in entries], [logprob for logprob, _ in entries]
+
+    exact, exact_logprobs = top1(single_stage)
+    with LLM(quantization="gguf_int8") as llm:
+        model = llm.engine.executor.worker.model
+        assert model.layers[0].mlp.down_proj.int8_activations
+        assert model.lm_head.int8_activations
+        int8, int8_logprobs = top1(llm)
+        answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in answer[0].outputs[0].text
+    agree = sum(a == b for a, b in zip(exact, int8, strict=True)) / len(exact)
+    assert agree >= 0.9
+    assert int8_logprobs != exact_logprobs  # really the other arithmetic
 
 
 def test_weights_taken_quantized_are_never_dequantized(monkeypatch):

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from pipellm.model.structured_output import GrammarMasks
-from pipellm.model.tokenizer import Tokenizer
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.structured_outputs import StructuredOutputsParams
+from pipellm.text.tokenizer import Tokenizer
+from pipellm.worker.structured_output import GrammarMasks
 from tests.checkpoints import EOS_TOKEN_ID, make_tiny_checkpoint, make_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(180)

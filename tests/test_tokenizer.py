@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from pipellm.model.source import resolve_model
-from pipellm.model.tokenizer import Tokenizer, load_tokenizer
+from pipellm.loader.source import resolve_model
+from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from tests.checkpoints import make_tiny_checkpoint
 
 TEXTS = [

@@ -12,11 +12,12 @@ import transformers
 from safetensors.torch import load_file
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from pipellm.model.gguf_file import open_gguf
+from pipellm.loader.gguf_file import open_gguf
+from pipellm.loader.source import load_model_config, resolve_model
+from pipellm.loader.weights import iter_weights
 from pipellm.model.model_config import ModelConfig
-from pipellm.model.source import load_model_config, resolve_model
-from pipellm.model.tokenizer import load_tokenizer
-from pipellm.model.weights import iter_weights
+from pipellm.model.stage_spec import StageSpec
+from pipellm.text.tokenizer import load_tokenizer
 from tests.checkpoints import make_tiny_checkpoint
 
 _LAYER_PARTS = [
@@ -33,12 +34,13 @@ _LAYER_PARTS = [
 _QKV_BIASES = ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
 
 
-def _expected_names(config: ModelConfig, start: int, end: int, first: bool, last: bool) -> set[str]:
+def _expected_names(config: ModelConfig, stage: StageSpec) -> set[str]:
     parts = _LAYER_PARTS + (_QKV_BIASES if config.attention_bias else [])
-    names = {f"model.layers.{i}.{part}" for i in range(start, end) for part in parts}
-    if first or (last and config.tie_word_embeddings):
+    layers = range(stage.layer_start, stage.layer_end)
+    names = {f"model.layers.{i}.{part}" for i in layers for part in parts}
+    if stage.is_first or (stage.is_last and config.tie_word_embeddings):
         names.add("model.embed_tokens.weight")
-    if last:
+    if stage.is_last:
         names.add("model.norm.weight")
         if not config.tie_word_embeddings:
             names.add("lm_head.weight")
@@ -52,8 +54,13 @@ def _saved_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-# (layer_start, layer_end, is_first, is_last) splits of 4 layers into pipeline stages.
-_STAGES = [(0, 4, True, True), (0, 2, True, False), (2, 4, False, True), (1, 3, False, False)]
+# Splits of 4 layers into pipeline stages: whole, first of two, last of two, middle of three.
+_STAGES = [
+    StageSpec(0, 1, 0, 4),
+    StageSpec(0, 2, 0, 2),
+    StageSpec(1, 2, 2, 4),
+    StageSpec(1, 3, 1, 3),
+]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "tied"])
@@ -63,8 +70,8 @@ def test_stage_weights_match_the_checkpoint(tmp_path: Path, arch: str) -> None:
     config = load_model_config(source)
     saved = _saved_tensors(folder)
     for stage in _STAGES:
-        weights = dict(iter_weights(source, config, *stage, dtype=torch.float32))
-        assert set(weights) == _expected_names(config, *stage)
+        weights = dict(iter_weights(source, config, stage, dtype=torch.float32))
+        assert set(weights) == _expected_names(config, stage)
         for name, tensor in weights.items():
             assert torch.equal(tensor, saved[name]), name
 
@@ -75,8 +82,8 @@ def test_sharded_checkpoint_and_dtype(tmp_path: Path) -> None:
     source = resolve_model(str(folder))
     config = load_model_config(source)
     saved = _saved_tensors(folder)
-    weights = dict(iter_weights(source, config, 1, 3, False, True, dtype=torch.bfloat16))
-    assert set(weights) == _expected_names(config, 1, 3, False, True)
+    weights = dict(iter_weights(source, config, StageSpec(1, 2, 1, 3), dtype=torch.bfloat16))
+    assert set(weights) == _expected_names(config, StageSpec(1, 2, 1, 3))
     for name, tensor in weights.items():
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, saved[name].to(torch.bfloat16)), name
@@ -87,7 +94,7 @@ def test_weights_equal_the_transformers_state_dict(tmp_path: Path) -> None:
     source = resolve_model(str(folder))
     config = load_model_config(source)
     state_dict = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    for name, tensor in iter_weights(source, config, 0, 4, True, True, torch.float32):
+    for name, tensor in iter_weights(source, config, StageSpec(0, 1, 0, 4), torch.float32):
         assert torch.equal(tensor, state_dict[name]), name
     assert torch.equal(state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"])
 
@@ -97,17 +104,19 @@ def test_bad_layer_range_and_missing_tensor(tmp_path: Path) -> None:
     source = resolve_model(str(folder))
     config = load_model_config(source)
     with pytest.raises(ValueError, match=r"\[1, 3\) is outside the model's 2 layers"):
-        next(iter_weights(source, config, 1, 3, False, True, torch.float32))
+        next(iter_weights(source, config, StageSpec(1, 2, 1, 3), torch.float32))
     four_layers = dataclasses.replace(config, num_hidden_layers=4)
     with pytest.raises(ValueError, match="no tensor 'model.layers.2.self_attn.q_proj.weight'"):
-        list(iter_weights(source, four_layers, 2, 4, False, True, torch.float32))
+        list(iter_weights(source, four_layers, StageSpec(1, 2, 2, 4), torch.float32))
 
 
 def test_gguf_stage_names() -> None:
     source = resolve_model(None)
     config = load_model_config(source)
-    names = [name for name, _ in iter_weights(source, config, 28, 30, False, True, torch.float32)]
-    assert set(names) == _expected_names(config, 28, 30, False, True)
+    names = [
+        name for name, _ in iter_weights(source, config, StageSpec(1, 2, 28, 30), torch.float32)
+    ]
+    assert set(names) == _expected_names(config, StageSpec(1, 2, 28, 30))
     assert len(names) == len(set(names))
     assert "model.embed_tokens.weight" in names  # tied: the last stage's lm_head
 
@@ -124,7 +133,7 @@ def test_gguf_weights_match_transformers_gguf_loader() -> None:
         weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         return torch.from_numpy(processor.process(weights=weights, name=gguf_name).weights)
 
-    ours = dict(iter_weights(source, config, 29, 30, True, False, torch.float32))
+    ours = dict(iter_weights(source, config, StageSpec(0, 2, 29, 30), torch.float32))
     assert ours["model.embed_tokens.weight"].shape == (49152, 576)
     assert torch.equal(ours["model.embed_tokens.weight"], reference("token_embd.weight"))
     for hf_part, gguf_part, shape in [
@@ -147,7 +156,7 @@ def test_gguf_weights_make_smollm2_answer() -> None:
     tokenizer = load_tokenizer(source)
     hf_config = transformers.LlamaConfig(**config.hf_config_kwargs())
     model = transformers.LlamaForCausalLM(hf_config).eval()
-    weights = dict(iter_weights(source, config, 0, 30, True, True, torch.float32))
+    weights = dict(iter_weights(source, config, StageSpec(0, 1, 0, 30), torch.float32))
     result = model.load_state_dict(weights, strict=False)
     assert (result.missing_keys, result.unexpected_keys) == (["lm_head.weight"], [])
     model.tie_weights()

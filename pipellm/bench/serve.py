@@ -193,8 +193,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 def load_tokenizer(name: str) -> TokenizerLike:
     """The tokenizer pipellm itself would use for name."""
     # Imported here: only this step needs the model package (and the torch it brings).
-    from pipellm.model.source import resolve_model
-    from pipellm.model.tokenizer import load_tokenizer as load_model_tokenizer
+    from pipellm.loader.source import resolve_model
+    from pipellm.text.tokenizer import load_tokenizer as load_model_tokenizer
 
     try:
         return load_model_tokenizer(resolve_model(name, require_weights=False))

@@ -15,8 +15,20 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
-from pipellm.engine.core_process import ABORT, ADD, DEAD, OUTPUTS, REJECTED, STATS, CoreProcess
-from pipellm.engine.outputs import EngineOutput
+from pipellm.engine.core_process import CoreProcess
+from pipellm.protocol import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    EngineOutput,
+    EngineStats,
+    FromCore,
+    Outputs,
+    Rejected,
+    StatsReply,
+    StatsRequest,
+    ToCore,
+)
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,7 +53,7 @@ class AsyncEngineClient:
         self._on_dead = on_dead  # called on the loop once the core is dead (not on close)
         self._loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue[EngineOutput | BaseException]] = {}
-        self._stats_waiters: dict[int, asyncio.Future[dict]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._stats_tokens = itertools.count()
         self.dead_reason: str | None = None
         self._closing = False
@@ -69,7 +81,7 @@ class AsyncEngineClient:
         self._queues[request_id] = outputs
         finished = False
         try:
-            self._send((ADD, request_id, prompt_token_ids, params))
+            self._send(AddRequest(request_id, prompt_token_ids, params))
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -87,18 +99,18 @@ class AsyncEngineClient:
     def abort(self, request_id: str) -> None:
         if self.dead_reason is None:
             try:
-                self.core.send((ABORT, [request_id]))
+                self.core.send(AbortRequests([request_id]))
             except OSError:
                 pass  # the reader thread reports the dead core
 
-    async def stats(self) -> dict:
+    async def stats(self) -> EngineStats:
         """The engine's stats snapshot (EngineCore.stats())."""
         self._check_alive()
         token = next(self._stats_tokens)
-        reply: asyncio.Future[dict] = self._loop.create_future()
+        reply: asyncio.Future[EngineStats] = self._loop.create_future()
         self._stats_waiters[token] = reply
         try:
-            self._send((STATS, token))
+            self._send(StatsRequest(token))
             return await asyncio.wait_for(reply, STATS_TIMEOUT_S)
         finally:
             del self._stats_waiters[token]
@@ -114,7 +126,7 @@ class AsyncEngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: ToCore) -> None:
         try:
             self.core.send(message)
         except OSError as error:
@@ -137,8 +149,8 @@ class AsyncEngineClient:
                 except (EOFError, OSError):
                     reason = _exit_reason(process)
                     break
-                if message[0] == DEAD:
-                    reason = message[1]
+                if isinstance(message, CoreDead):
+                    reason = message.reason
                 elif not self._deliver(self._dispatch, message):
                     return
             else:
@@ -157,22 +169,20 @@ class AsyncEngineClient:
         except RuntimeError:  # the loop closed: the server is shutting down
             return False
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == OUTPUTS:
-            for output in message[1]:
-                outputs = self._queues.get(output.request_id)
-                if outputs is not None:  # else aborted while its micro-batch was in flight
-                    outputs.put_nowait(output)
-        elif kind == REJECTED:
-            _, request_id, reason = message
-            if request_id in self._queues:
-                self._queues[request_id].put_nowait(ValueError(reason))
-        elif kind == STATS:
-            _, token, stats = message
-            reply = self._stats_waiters.get(token)
-            if reply is not None and not reply.done():
-                reply.set_result(stats)
+    def _dispatch(self, message: FromCore) -> None:
+        match message:
+            case Outputs(outputs):
+                for output in outputs:
+                    waiting = self._queues.get(output.request_id)
+                    if waiting is not None:  # else aborted while its micro-batch was in flight
+                        waiting.put_nowait(output)
+            case Rejected(request_id, reason):
+                if request_id in self._queues:
+                    self._queues[request_id].put_nowait(ValueError(reason))
+            case StatsReply(token, stats):
+                reply = self._stats_waiters.get(token)
+                if reply is not None and not reply.done():
+                    reply.set_result(stats)
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason

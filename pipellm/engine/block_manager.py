@@ -127,16 +127,11 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Releases a request's blocks; the tail goes first so shared prefixes live longest."""
         for block in reversed(request.block_ids):
+            if self.ref_counts[block] == 0:
+                # NOTE: a real check, not an assert: under `python -O` a double free would
+                # hand one block to two requests, and their KV would silently mix.
+                raise RuntimeError(f"block {block} freed twice")
             self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         request.block_ids = []
-
-    def reset_prefix_cache(self) -> None:
-        for block in range(self.num_blocks):
-            if self.ref_counts[block] == 0:
-                self.block_hash[block] = None
-        self.hash_to_block = {
-            h: b for h, b in self.hash_to_block.items() if self.block_hash[b] is not None
-        }

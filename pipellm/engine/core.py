@@ -1,8 +1,9 @@
 """The engine loop: keep up to P micro-batches in flight, apply outputs in submission order.
 
-This is the seed's fix in one place. While the batch queue has room and the scheduler can form
-a micro-batch, submit it without waiting; only when the queue is full, or nothing more can be
-scheduled, block on the *oldest* in-flight micro-batch and apply its output.
+This is the fix of vLLM issue #27462 in one place. While the batch queue has room and the
+scheduler can form a micro-batch, submit it without waiting; only when the queue is full, or
+nothing more can be scheduled, block on the *oldest* in-flight micro-batch and apply its
+output.
 """
 
 from __future__ import annotations
@@ -17,41 +18,21 @@ from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.chunk_cost import CPU_ATTENTION_SLOWDOWN, ChunkCostModel
 from pipellm.engine.output_processor import TextState
-from pipellm.engine.outputs import EngineOutput
 from pipellm.engine.pipeline_stats import PipelineStats
+from pipellm.engine.prompt_check import check_prompt
 from pipellm.engine.request import Request
 from pipellm.engine.scheduler import Scheduler, SchedulerConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor
-from pipellm.model.source import resolve_model
-from pipellm.model.tokenizer import Tokenizer, load_tokenizer
+from pipellm.executor.factory import make_executor
+from pipellm.loader.source import resolve_model
+from pipellm.protocol import EngineOutput, EngineStats, ModelOutput, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
+from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
-STATS_WINDOW_S = 60.0  # stats()["pipeline"] (and /metrics' busy gauge) cover this recent window
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    backend = config.distributed_executor_backend
-    if backend == "uni":
-        from pipellm.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config)
-    if backend == "mp":
-        from pipellm.executor.mp import MultiprocExecutor
-
-        return MultiprocExecutor(config)
-    if backend == "ray":
-        from pipellm.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config)
-    if backend == "sim":
-        from pipellm.executor.sim import SimExecutor
-
-        return SimExecutor(config)
-    raise NotImplementedError(f"distributed_executor_backend={backend!r} is not available yet")
+STATS_WINDOW_S = 60.0  # stats().pipeline (and /metrics' busy gauge) cover this recent window
 
 
 def chunk_cost_model(config: EngineConfig) -> ChunkCostModel | None:
@@ -99,7 +80,7 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
-                num_micro_batches=config.pipeline_parallel_size,
+                num_stages=config.pipeline_parallel_size,
                 pp_balance=config.pp_balance,
                 pp_microbatch_tokens=config.pp_microbatch_tokens,
                 enable_chunked_pipeline=config.enable_chunked_pipeline,
@@ -108,11 +89,11 @@ class EngineCore:
             self.block_manager,
         )
         self.executor = executor or make_executor(config)
-        self.batch_queue_depth = self.executor.num_stages
+        self.num_stages = config.pipeline_parallel_size  # P: micro-batches kept in flight
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         self.texts: dict[str, TextState] = {}
         self.samples: dict[str, list[str]] = {}  # request id -> its unfinished samples' ids
-        self.pipeline_stats = PipelineStats(self.executor.num_stages, clock=clock)
+        self.pipeline_stats = PipelineStats(self.num_stages, clock=clock)
         self._last_log = clock()
         self.num_prompt_tokens = 0  # counters for metrics: prompt tokens admitted
         self.num_generation_tokens = 0
@@ -122,17 +103,8 @@ class EngineCore:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        limit = self.config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(prompt_token_ids) >= limit:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {limit}; "
-                "shorten the prompt or raise max_model_len (it must leave room for one token)"
-            )
         vocab = self.config.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        check_prompt(prompt_token_ids, vocab, self.config.max_model_len)
         params = params.resolve(
             self.eos_token_ids,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
@@ -172,7 +144,7 @@ class EngineCore:
     def abort_request(self, request_id: str) -> None:
         """Aborts a request (all of its samples, for n > 1)."""
         for sample_id in self.samples.pop(request_id, []):
-            self.scheduler.finish_request(sample_id, "abort")
+            self.scheduler.stop_request(sample_id, "abort")
             self.texts.pop(sample_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -182,13 +154,13 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         """Submits micro-batches until the queue is full, then applies the oldest result."""
-        while len(self.in_flight) < self.batch_queue_depth:
+        while len(self.in_flight) < self.num_stages:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is None:
                 break
             requests = self.scheduler.requests
             self.pipeline_stats.on_submit(
-                scheduler_output.step_id,
+                scheduler_output.micro_batch_id,
                 len(scheduler_output.requests),
                 scheduler_output.num_tokens,
                 len(self.in_flight) + 1,
@@ -202,7 +174,7 @@ class EngineCore:
             return []
         scheduler_output, future = self.in_flight.popleft()
         model_output = future.result()
-        self.pipeline_stats.on_done(scheduler_output.step_id, model_output.stage_times)
+        self.pipeline_stats.on_done(scheduler_output.micro_batch_id, model_output.stage_times)
         self._maybe_log_stats()
         return self._apply(scheduler_output, model_output)
 
@@ -225,22 +197,22 @@ class EngineCore:
                 summary["mean_tokens_per_micro_batch"],
             )
 
-    def stats(self) -> dict:
-        """A snapshot for logs and /metrics; "pipeline" covers the last STATS_WINDOW_S."""
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": self.block_manager.usage,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": self.block_manager.num_prefix_queries,
-            "prefix_cache_hits": self.block_manager.num_prefix_hits,
-            "num_in_flight": len(self.in_flight),
-            "prompt_tokens_total": self.num_prompt_tokens,
-            "generation_tokens_total": self.num_generation_tokens,
-            "pipeline": self.pipeline_stats.summary(since=self.clock() - STATS_WINDOW_S),
-            "stage_busy_seconds_total": list(self.pipeline_stats.stage_busy_total),
-            "pipeline_active_seconds_total": self.pipeline_stats.active_total,
-        }
+    def stats(self) -> EngineStats:
+        """A snapshot for logs and /metrics; `pipeline` covers the last STATS_WINDOW_S."""
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.block_manager.num_prefix_queries,
+            prefix_cache_hits=self.block_manager.num_prefix_hits,
+            num_in_flight=len(self.in_flight),
+            prompt_tokens_total=self.num_prompt_tokens,
+            generation_tokens_total=self.num_generation_tokens,
+            pipeline=self.pipeline_stats.summary(since=self.clock() - STATS_WINDOW_S),
+            stage_busy_seconds_total=list(self.pipeline_stats.stage_busy_total),
+            pipeline_active_seconds_total=self.pipeline_stats.active_total,
+        )
 
     def _apply(
         self, scheduler_output: SchedulerOutput, model_output: ModelOutput
@@ -257,14 +229,13 @@ class EngineCore:
                 delta, stop_string = text.push(update.token_id, update.finished)
             except Exception as error:  # fail this request only; the log keeps the traceback
                 logger.exception("detokenizing request %s failed", request.request_id)
-                self.scheduler.finish_request(request.request_id, "error")
+                self.scheduler.stop_request(request.request_id, "error")
                 outputs.append(
                     self._failed(request, f"detokenizing failed: {type(error).__name__}")
                 )
                 continue
             if stop_string is not None and not update.finished:
-                request.finish_reason, request.stop_reason = "stop", stop_string
-                self.scheduler.finish_request(request.request_id, "stop")
+                self.scheduler.stop_request(request.request_id, "stop", stop_string)
             finished = request.is_finished
             request_finished = False
             if finished:
@@ -301,7 +272,7 @@ class EngineCore:
         self.texts.pop(request.request_id, None)
         for sample_id in self.samples.pop(request.parent_id, []):
             if sample_id != request.request_id:
-                self.scheduler.finish_request(sample_id, "abort")
+                self.scheduler.stop_request(sample_id, "abort")
                 self.texts.pop(sample_id, None)
         return EngineOutput(
             request_id=request.parent_id,

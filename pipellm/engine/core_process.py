@@ -1,13 +1,9 @@
 """The engine core in its own process, so the scheduler loop and the API's event loop never
 wait on each other.
 
-Messages are tuples over one multiprocessing Pipe: a socketpair between this process and its
-parent only, so nothing is unpickled from a socket another host could reach.
-
-  API -> core: (ADD, request_id, prompt_token_ids, SamplingParams), (ABORT, [request_id, ...]),
-               (STATS, token), (SHUTDOWN,)
-  core -> API: (READY, pid), (OUTPUTS, [EngineOutput, ...]), (REJECTED, request_id, message),
-               (STATS, token, stats dict), (DEAD, reason)
+Messages are the dataclasses of protocol.py (ToCore, FromCore) over one multiprocessing Pipe:
+a socketpair between this process and its parent only, so nothing is unpickled from a socket
+another host could reach.
 """
 
 from __future__ import annotations
@@ -22,17 +18,25 @@ import threading
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 from pipellm.config import EngineConfig
 from pipellm.engine.core import EngineCore
-from pipellm.engine.outputs import EngineOutput
+from pipellm.protocol import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    CoreReady,
+    EngineOutput,
+    FromCore,
+    Outputs,
+    Rejected,
+    Shutdown,
+    StatsReply,
+    StatsRequest,
+    ToCore,
+)
 
 logger = logging.getLogger(__name__)
-
-ADD, ABORT, STATS, SHUTDOWN = "add", "abort", "stats", "shutdown"
-READY, OUTPUTS, REJECTED, DEAD = "ready", "outputs", "rejected", "dead"
-Message = tuple[Any, ...]
 
 STARTUP_TIMEOUT_S = 600.0  # the built-in model plus P stage processes on a slow CPU
 HEALTH_CHECK_INTERVAL_S = 1.0  # how often an idle core checks that its stages still live
@@ -69,16 +73,17 @@ class CoreProcess:
         if not ready:
             raise EngineStartupError(f"the engine core did not start within {timeout_s:.0f} s")
         if self.conn.poll():
-            kind, payload = self.conn.recv()
-            if kind == READY:
+            message: FromCore = self.conn.recv()
+            if isinstance(message, CoreReady):
                 self.ready = True
                 return
-            raise EngineStartupError(payload)
+            assert isinstance(message, CoreDead), message
+            raise EngineStartupError(message.reason)
         raise EngineStartupError(
             f"the engine core process exited with code {self.process.exitcode} while starting"
         )
 
-    def send(self, message: Message) -> None:
+    def send(self, message: ToCore) -> None:
         self.conn.send(message)
 
     def shutdown(self) -> None:
@@ -90,7 +95,7 @@ class CoreProcess:
 def _stop(process: mp.process.BaseProcess, conn: Connection, graceful: bool) -> None:
     if graceful and process.is_alive():
         try:
-            conn.send((SHUTDOWN,))
+            conn.send(Shutdown())
         except OSError:
             pass
         process.join(SHUTDOWN_TIMEOUT_S)
@@ -116,11 +121,11 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
     try:
         core = EngineCore(config)
     except BaseException:
-        conn.send((DEAD, f"the engine failed to start:\n{traceback.format_exc()}"))
+        conn.send(CoreDead(f"the engine failed to start:\n{traceback.format_exc()}"))
         return
-    inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+    inbox: queue.SimpleQueue[ToCore] = queue.SimpleQueue()
     threading.Thread(target=_read_inputs, args=(conn, inbox), daemon=True).start()
-    conn.send((READY, os.getpid()))
+    conn.send(CoreReady(os.getpid()))
     exit_code = 0
     try:
         serve_messages(core, conn, inbox)
@@ -129,7 +134,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
     except BaseException as error:
         logger.exception("the engine core failed")
         try:
-            conn.send((DEAD, f"the engine core failed: {type(error).__name__}: {error}"))
+            conn.send(CoreDead(f"the engine core failed: {type(error).__name__}: {error}"))
         except OSError:
             pass
         exit_code = 1
@@ -143,16 +148,16 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def _read_inputs(conn: Connection, inbox: queue.SimpleQueue[Message]) -> None:
+def _read_inputs(conn: Connection, inbox: queue.SimpleQueue[ToCore]) -> None:
     """Moves messages from the pipe to the inbox at once, so the API never waits on a step."""
     try:
         while True:
             inbox.put(conn.recv())
     except (EOFError, OSError):
-        inbox.put((SHUTDOWN,))  # the API process is gone: stop and reap the stages
+        inbox.put(Shutdown())  # the API process is gone: stop and reap the stages
 
 
-def serve_messages(core: EngineCore, conn: Connection, inbox: queue.SimpleQueue[Message]) -> None:
+def serve_messages(core: EngineCore, conn: Connection, inbox: queue.SimpleQueue[ToCore]) -> None:
     """The engine loop: blocks on the inbox when idle; when busy, takes what arrived, then steps.
 
     `pipellm simulate` runs this same loop with an inbox and connection in virtual time.
@@ -180,29 +185,36 @@ def serve_messages(core: EngineCore, conn: Connection, inbox: queue.SimpleQueue[
                 return
         outputs = core.step()
         if outputs:
-            conn.send((OUTPUTS, outputs))
+            conn.send(Outputs(outputs))
 
 
-def _handle(core: EngineCore, conn: Connection, message: Message) -> bool:
+def _handle(core: EngineCore, conn: Connection, message: ToCore) -> bool:
     """Applies one message; returns False when the core should stop."""
-    kind = message[0]
-    if kind == ADD:
-        _, request_id, prompt_token_ids, params = message
-        try:
-            core.add_request(request_id, prompt_token_ids, params)
-        except ValueError as error:
-            conn.send((REJECTED, request_id, str(error)))
-        except Exception as error:  # a bug met by this request: fail it, keep serving
-            logger.exception("adding request %s failed", request_id)
-            failed = EngineOutput(request_id, [], "", True, "error", error=type(error).__name__)
-            conn.send((OUTPUTS, [failed]))
-    elif kind == ABORT:
-        for request_id in message[1]:
-            core.abort_request(request_id)
-    elif kind == STATS:
-        conn.send((STATS, message[1], core.stats()))
-    elif kind == SHUTDOWN:
-        return False
-    else:
-        raise ValueError(f"unknown message {kind!r} from the API process")
+    match message:
+        case AddRequest(request_id, prompt_token_ids, params):
+            try:
+                core.add_request(request_id, prompt_token_ids, params)
+            except ValueError as error:
+                conn.send(Rejected(request_id, str(error)))
+            except Exception as error:  # a bug met by this request: fail it, keep serving
+                logger.exception("adding request %s failed", request_id)
+                failed = EngineOutput(
+                    request_id,
+                    [],
+                    "",
+                    finished=True,
+                    request_finished=True,
+                    finish_reason="error",
+                    error=type(error).__name__,
+                )
+                conn.send(Outputs([failed]))
+        case AbortRequests(request_ids):
+            for request_id in request_ids:
+                core.abort_request(request_id)
+        case StatsRequest(token):
+            conn.send(StatsReply(token, core.stats()))
+        case Shutdown():
+            return False
+        case _:
+            raise ValueError(f"unknown message {message!r} from the API process")
     return True

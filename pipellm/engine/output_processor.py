@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pipellm.model.detokenizer import IncrementalDetokenizer
-from pipellm.model.tokenizer import Tokenizer
 from pipellm.sampling_params import SamplingParams
+from pipellm.text.detokenizer import IncrementalDetokenizer
+from pipellm.text.tokenizer import Tokenizer
 
 
 class TextState:

@@ -1,32 +1,11 @@
-"""What the engine hands back: per-step deltas (for streaming) and whole results (offline)."""
+"""What the offline API hands back: whole results (the engine's per-step deltas are
+protocol.EngineOutput)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-Logprobs = tuple[float, list[tuple[int, float]]]  # (sampled token's logprob, top-n pairs)
-
-
-@dataclass
-class EngineOutput:
-    """New tokens and text of one request since the previous step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool  # this sample is done
-    index: int = 0  # which of the request's n samples
-    request_finished: bool = False  # all n samples are done: the request's last output
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    new_logprobs: list[Logprobs] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    # With prompt_logprobs, on a request's first output: one per prompt token, the first None.
-    prompt_logprobs: list[Logprobs | None] | None = None
-    # Set with finish_reason "error": this request failed inside the engine (one line, no
-    # traceback; the engine's log has it); the other requests carry on.
-    error: str | None = None
+from pipellm.protocol import Logprobs
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 @dataclass
 class MicroBatchRecord:
-    step_id: int
+    micro_batch_id: int
     submitted: float
     done: float
     num_requests: int
@@ -46,16 +46,23 @@ class PipelineStats:
         self._active_until = 0.0
 
     def on_submit(
-        self, step_id: int, num_requests: int, num_tokens: int, depth: int, spread: int = 1
+        self, micro_batch_id: int, num_requests: int, num_tokens: int, depth: int, spread: int = 1
     ) -> None:
-        self._submitted[step_id] = (self.clock(), num_requests, num_tokens, depth, spread)
+        self._submitted[micro_batch_id] = (self.clock(), num_requests, num_tokens, depth, spread)
 
-    def on_done(self, step_id: int, stage_times: list[tuple[float, float]]) -> None:
-        submitted, num_requests, num_tokens, depth, spread = self._submitted.pop(step_id)
+    def on_done(self, micro_batch_id: int, stage_times: list[tuple[float, float]]) -> None:
+        submitted, num_requests, num_tokens, depth, spread = self._submitted.pop(micro_batch_id)
         done = self.clock()
         self.records.append(
             MicroBatchRecord(
-                step_id, submitted, done, num_requests, num_tokens, depth, stage_times, spread
+                micro_batch_id,
+                submitted,
+                done,
+                num_requests,
+                num_tokens,
+                depth,
+                stage_times,
+                spread,
             )
         )
         for stage, (start, end) in enumerate(stage_times):
@@ -110,7 +117,7 @@ class PipelineStats:
             for stage, (start, end) in enumerate(r.stage_times):
                 events.append(
                     {
-                        "name": f"mb {r.step_id}",
+                        "name": f"mb {r.micro_batch_id}",
                         "ph": "X",
                         "pid": 0,
                         "tid": stage,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-import time
 
+from pipellm.protocol import Logprobs
 from pipellm.sampling_params import SamplingParams
 
 
@@ -24,7 +24,6 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
-        arrival_time: float | None = None,
         parent_id: str | None = None,
         index: int = 0,
         fork_from: Request | None = None,
@@ -39,7 +38,6 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.status = RequestStatus.WAITING
@@ -51,11 +49,11 @@ class Request:
         self.num_tokens_sent = 0  # how many of all_token_ids the stage workers already hold
         self.num_blocks_sent = 0  # likewise for block_ids
         self.num_preemptions = 0
+        # Written only by Scheduler.stop_request, the one place a request ends.
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stop_reason: int | str | None = None
-        self.aborted = False
         # With prompt_logprobs: one entry per prompt token, filled as its chunks return.
-        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = (
+        self.prompt_logprobs: list[Logprobs | None] | None = (
             [None] * len(prompt_token_ids) if sampling_params.prompt_logprobs is not None else None
         )
 
@@ -83,21 +81,18 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def check_token_stop(self, max_model_len: int) -> bool:
-        """Applies the token-level stop rules after a new token; sets finish_reason."""
+    def token_stop(self, max_model_len: int) -> tuple[str, int | None] | None:
+        """The token-level stop rule the newest token meets, as (finish_reason, stop_reason),
+        or None. The scheduler applies it (Scheduler.stop_request)."""
         params = self.sampling_params
         token = self.output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
-                self.finish_reason = "stop"
-                return True
+                return "stop", None
             if token in params.stop_token_ids:
-                self.finish_reason, self.stop_reason = "stop", token
-                return True
+                return "stop", token
         if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
-            self.finish_reason = "length"
-            return True
+            return "length", None
         if self.num_tokens >= max_model_len:
-            self.finish_reason = "length"
-            return True
-        return False
+            return "length", None
+        return None

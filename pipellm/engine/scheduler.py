@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.chunk_cost import ChunkCostModel
 from pipellm.engine.request import Request, RequestStatus
-from pipellm.engine.scheduler_output import ModelOutput, ScheduledRequest, SchedulerOutput
+from pipellm.protocol import Logprobs, ModelOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -29,7 +29,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
-    num_micro_batches: int = 1  # pipeline stages: how many micro-batches are in flight
+    num_stages: int = 1  # P: pipeline stages, so up to P micro-batches in flight
     pp_balance: bool = True
     pp_microbatch_tokens: int = 128  # balanced pipelines: most tokens per micro-batch
     # A prompt's next chunk may enter a micro-batch while its earlier chunks are in flight.
@@ -43,7 +43,7 @@ class TokenUpdate:
 
     request: Request
     token_id: int
-    logprobs: tuple[float, list[tuple[int, float]]] | None
+    logprobs: Logprobs | None
     finished: bool
     error: str | None = None  # this request failed (token_id is then meaningless)
 
@@ -56,7 +56,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: FCFS, the newest is preempted first
         self.requests: dict[str, Request] = {}
         self._freed_ids: list[str] = []
-        self._next_step_id = 0
+        self._next_micro_batch_id = 0
         self.num_preemptions = 0
         self.num_in_flight_work = 0.0  # `_work` of chunks whose micro-batch has not returned
         self.num_in_flight_batches = 0
@@ -69,13 +69,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request_id: str, reason: str) -> None:
-        """Ends a request now, or when its in-flight micro-batch comes back."""
+    def stop_request(
+        self, request_id: str, reason: str, stop_reason: int | str | None = None
+    ) -> None:
+        """Ends a request now, or when its in-flight micro-batch comes back: the one writer of
+        finish_reason ("stop" | "length" | "abort" | "error") and stop_reason. The first
+        reason stands."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return
-        request.finish_reason = request.finish_reason or reason
-        request.aborted = reason == "abort"
+        request.finish_reason, request.stop_reason = reason, stop_reason
         if request.in_flight:
             request.status = RequestStatus.FINISHED  # blocks freed when its last chunk returns
             return
@@ -145,10 +148,12 @@ class Scheduler:
         return [r for r in self.running if self._schedulable(r)]
 
     def _admission_limit(self) -> int:
-        """New or resumed requests per micro-batch: the seed's rule spreads them over P."""
+        """New or resumed requests per micro-batch: at most max(1, max_num_seqs // P), so a
+        burst of arrivals is spread over the P micro-batches in flight instead of filling one
+        while the other stages idle (vLLM issue #27462)."""
         cfg = self.config
-        if cfg.pp_balance and cfg.num_micro_batches > 1:
-            return max(1, cfg.max_num_seqs // cfg.num_micro_batches)
+        if cfg.pp_balance and cfg.num_stages > 1:
+            return max(1, cfg.max_num_seqs // cfg.num_stages)
         return cfg.max_num_seqs
 
     def _work(self, prefix: int, num_tokens: int) -> float:
@@ -178,7 +183,7 @@ class Scheduler:
         lone prompt is cut into chunks that fill every stage.
         """
         cfg = self.config
-        if not (cfg.pp_balance and cfg.num_micro_batches > 1):
+        if not (cfg.pp_balance and cfg.num_stages > 1):
             return cfg.max_num_batched_tokens
         ready = self._ready_running()
         ready += list(self.waiting)[: max(0, cfg.max_num_seqs - len(self.running))]
@@ -188,12 +193,12 @@ class Scheduler:
         work = [self._work(r.num_computed_tokens, n) for r, n in zip(ready, remaining, strict=True)]
         total = self.num_in_flight_work + sum(work)
         if cfg.enable_chunked_pipeline and cfg.enable_chunked_prefill and max(remaining) > 1:
-            ways = cfg.num_micro_batches
+            ways = cfg.num_stages
             share = total / ways
         else:
-            ways = min(cfg.num_micro_batches, self.num_in_flight_batches + len(ready))
+            ways = min(cfg.num_stages, self.num_in_flight_batches + len(ready))
             share = max(total / ways, max(work))
-        if ways == cfg.num_micro_batches:
+        if ways == cfg.num_stages:
             share = min(share, self._work(0, cfg.pp_microbatch_tokens))
         if cfg.chunk_cost is None:
             share = math.ceil(share)
@@ -324,11 +329,11 @@ class Scheduler:
             request.num_computed_tokens += num_new
             item.sample = request.num_computed_tokens == request.num_tokens
             scheduled.append(item)
-        output = SchedulerOutput(self._next_step_id, scheduled, self._freed_ids)
+        output = SchedulerOutput(self._next_micro_batch_id, scheduled, self._freed_ids)
         self.num_in_flight_work += self._output_work(output)
         self.num_in_flight_batches += 1
         self._freed_ids = []
-        self._next_step_id += 1
+        self._next_micro_batch_id += 1
         return output
 
     def _output_work(self, output: SchedulerOutput) -> float:
@@ -346,7 +351,9 @@ class Scheduler:
         A chunk's full blocks become findable by the prefix cache here, once the chunk has
         passed every stage, so no request can be given a block whose KV is still being written.
         """
-        assert model_output.step_id == scheduler_output.step_id, "outputs applied out of order"
+        assert model_output.micro_batch_id == scheduler_output.micro_batch_id, (
+            "outputs applied out of order"
+        )
         self.num_in_flight_work -= self._output_work(scheduler_output)
         self.num_in_flight_batches -= 1
         updates = []
@@ -373,13 +380,12 @@ class Scheduler:
             if token_id is None:
                 continue
             if row in model_output.failed:
-                request.finish_reason = "error"
                 updates.append(TokenUpdate(request, token_id, None, True, model_output.failed[row]))
-                self._release(request)
+                self.stop_request(request.request_id, "error")
                 continue
             request.append_output_token(token_id)
-            finished = request.check_token_stop(self.config.max_model_len)
-            updates.append(TokenUpdate(request, token_id, token_logprobs, finished))
-            if finished:
-                self._release(request)
+            stop = request.token_stop(self.config.max_model_len)
+            updates.append(TokenUpdate(request, token_id, token_logprobs, stop is not None))
+            if stop is not None:
+                self.stop_request(request.request_id, *stop)
         return updates

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(--sim-profile) on a virtual clock and prints `bench serve`'s table for the workload "
         "the dataset and load flags describe (docs/simulation.md).",
     )
-    from pipellm.sim.simulate import add_cli_args as add_simulate_args
+    from pipellm.entrypoints.simulate import add_cli_args as add_simulate_args
 
     add_simulate_args(simulate)
 
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "micro-batch shapes, fits the linear cost model of docs/simulation.md, prints the fit "
         "error and writes a profile for --sim-profile.",
     )
-    from pipellm.sim.measure import add_cli_args as add_profile_args
+    from pipellm.entrypoints.sim_measure import add_cli_args as add_profile_args
 
     add_profile_args(profile)
 

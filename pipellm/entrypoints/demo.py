@@ -11,12 +11,12 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from pipellm.bench.server_process import ServerProcess
 from pipellm.bench.timeline import render_timeline
-from pipellm.entrypoints.server_process import ServerProcess
 
 QUESTION = "What is the capital of France?"
 NUM_STAGES = 2
-# Sized to finish in a few minutes on a 2-core CPU; the seed's run used 256 x 4000 tokens.
+# Sized to finish in a few minutes on a 2-core CPU; vLLM issue #27462's run used 256 x 4000 tokens.
 BENCH_FLAGS = [
     "--num-prompts", "32",
     "--max-concurrency", "8",

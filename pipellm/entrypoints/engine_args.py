@@ -27,9 +27,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         "-q",
-        choices=["gguf", "none"],
+        choices=["gguf", "gguf_int8", "none"],
         help="gguf: compute on a GGUF model's Q4_1/Q8_0 weights as stored (same results, "
-        "faster decode); none: dequantize them to --dtype (default: gguf for GGUF models)",
+        "faster decode); gguf_int8: that with activations rounded to int8 for VNNI dot "
+        "products (opt-in: faster decode, not bit-identical; needs AVX-512 VNNI); none: "
+        "dequantize them to --dtype (default: gguf for GGUF models)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of sampling and dummy weights")
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
@@ -56,8 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="fraction of GPU memory to use (GPU only; unused on CPU)",
+        help="fraction of GPU memory to use (GPU only; accepted and ignored on CPU)",
     )
     g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or a dtype")
     g.add_argument(
@@ -86,7 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-pp-balance",
         dest="pp_balance",
         action="store_false",
-        help="send requests to stages unbalanced, as before the seed's fix (for measuring)",
+        help="send requests to stages unbalanced, the whole batch in one micro-batch, as vLLM did "
+        "before the fix of its issue #27462 (for measuring)",
     )
     g.add_argument(
         "--pp-microbatch-tokens",
@@ -140,15 +142,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Builds and validates the config; reports flags that do nothing on this device."""
-    from pipellm.config import DEVICE, EngineConfig  # NOTE: here: `bench serve` needs no torch
+    from pipellm.config import EngineConfig  # NOTE: here: `bench serve` needs no torch
 
     names = EngineConfig.field_names()
     config = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
-    if DEVICE != "cuda":
-        if args.max_cudagraph_capture_size is not None:
-            logger.warning("--max-cudagraph-capture-size has no effect on CPU; ignored")
-        if args.gpu_memory_utilization != 0.9:
-            logger.warning("--gpu-memory-utilization has no effect on CPU; use --kv-cache-memory")
     if args.trust_remote_code:
         logger.warning("--trust-remote-code accepted; pipellm never runs code from a model folder")
     return config

@@ -40,8 +40,8 @@ from pipellm.entrypoints.openai_protocol import (
 from pipellm.entrypoints.openai_serving import OpenAIServing, one_line
 from pipellm.entrypoints.server_limits import BodyLimits, ServerLimits, header_timeout_protocol
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.model.source import resolve_model
-from pipellm.model.tokenizer import Tokenizer, load_tokenizer
+from pipellm.loader.source import resolve_model
+from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipellm.config import EngineConfig
 from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError, RequestFailedError
-from pipellm.engine.outputs import EngineOutput, Logprobs
+from pipellm.engine.prompt_check import check_prompt
 from pipellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,8 +25,9 @@ from pipellm.entrypoints.openai_protocol import (
 )
 from pipellm.entrypoints.server_limits import ServerLimits, prompt_chars_bound
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.model.tokenizer import Tokenizer
+from pipellm.protocol import EngineOutput, Logprobs
 from pipellm.sampling_params import SamplingParams
+from pipellm.text.tokenizer import Tokenizer
 
 T = TypeVar("T")
 Chunk = dict[str, Any]
@@ -217,20 +218,11 @@ class OpenAIServing:
     ) -> SamplingParams:
         """Checks the prompt against the vocabulary and the context; max_tokens None means
         the rest of the context."""
-        vocab = self.config.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise OpenAIError(
-                f"prompt token id {bad} is out of range: ids must lie in [0, {vocab})",
-                param="prompt",
-            )
         limit = self.config.max_model_len
-        if len(prompt_ids) >= limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(prompt_ids)} tokens; shorten it so that at least one new token fits.",
-                param="prompt",
-            )
+        try:
+            check_prompt(prompt_ids, self.config.model_config.vocab_size, limit)
+        except ValueError as error:
+            raise OpenAIError(str(error), param="prompt") from None
         if max_tokens is None:
             max_tokens = limit - len(prompt_ids)
         params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pipellm.engine.outputs import EngineOutput
+from pipellm.protocol import EngineOutput, EngineStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2, 5, 10)
@@ -24,36 +24,36 @@ class EngineStatsCollector(Collector):
     def __init__(self, model_name: str, num_stages: int) -> None:
         self.model_name = model_name
         self.num_stages = num_stages
-        self.stats: dict | None = None  # None: the engine did not answer (dead)
+        self.stats: EngineStats | None = None  # None: the engine did not answer (dead)
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
         if stats is None:
             return
         gauges = (
-            ("num_requests_running", "Requests in the running set.", stats["num_running"]),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats["num_waiting"]),
+            ("num_requests_running", "Requests in the running set.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             (
                 "kv_cache_usage_perc",
                 "Fraction of KV-cache blocks held by requests (1 = full).",
-                stats["kv_cache_usage"],
+                stats.kv_cache_usage,
             ),
             (
                 "num_micro_batches_in_flight",
                 "Micro-batches submitted to the pipeline and not yet returned.",
-                stats["num_in_flight"],
+                stats.num_in_flight,
             ),
         )
         for name, help_text, value in gauges:
             yield self._gauge(name, help_text, value)
         counters = (
-            ("prompt_tokens", "Prompt tokens admitted.", stats["prompt_tokens_total"]),
-            ("generation_tokens", "Tokens generated.", stats["generation_tokens_total"]),
-            ("num_preemptions", "Requests preempted for KV-cache space.", stats["num_preemptions"]),
+            ("prompt_tokens", "Prompt tokens admitted.", stats.prompt_tokens_total),
+            ("generation_tokens", "Tokens generated.", stats.generation_tokens_total),
+            ("num_preemptions", "Requests preempted for KV-cache space.", stats.num_preemptions),
             (
                 "pipeline_active_seconds",
                 "Time the engine had work in flight (rate() it against stage_busy_seconds).",
-                stats["pipeline_active_seconds_total"],
+                stats.pipeline_active_seconds_total,
             ),
         )
         for name, help_text, value in counters:
@@ -65,10 +65,10 @@ class EngineStatsCollector(Collector):
             "Time each pipeline stage spent computing micro-batches.",
             labels=["model_name", "stage"],
         )
-        for stage, seconds in enumerate(stats["stage_busy_seconds_total"]):
+        for stage, seconds in enumerate(stats.stage_busy_seconds_total):
             busy_seconds.add_metric([self.model_name, str(stage)], seconds)
         yield busy_seconds
-        busy = stats["pipeline"].get("stage_busy_fraction", [0.0] * self.num_stages)
+        busy = stats.pipeline.get("stage_busy_fraction", [0.0] * self.num_stages)
         stage_busy = GaugeMetricFamily(
             "pipellm:stage_busy_fraction",
             "Fraction of the time the engine had work in flight that each pipeline stage was "
@@ -135,7 +135,7 @@ class ServerMetrics:
                     self._finished.labels(self.model_name, output.finish_reason).inc()
                 yield output
 
-    def render(self, stats: dict | None) -> bytes:
+    def render(self, stats: EngineStats | None) -> bytes:
         """The Prometheus text exposition, with the engine state of `stats`."""
         self.engine.stats = stats
         return generate_latest(self.registry)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
+from pipellm.protocol import ModelOutput, SchedulerOutput
 
 
 class WorkerDiedError(RuntimeError):
@@ -15,11 +15,9 @@ class WorkerDiedError(RuntimeError):
 class Executor(ABC):
     """Runs micro-batches through the pipeline stages.
 
-    `submit` must not wait for the micro-batch to finish: the engine keeps up to
-    `num_stages` micro-batches in flight. Futures complete in submission order.
+    `submit` must not wait for the micro-batch to finish: the engine keeps up to P
+    (pipeline_parallel_size) micro-batches in flight. Futures complete in submission order.
     """
-
-    num_stages: int = 1
 
     @abstractmethod
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:

@@ -16,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -24,18 +25,18 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
-from pipellm.executor.base import Executor, WorkerDiedError
-from pipellm.executor.net import LOOPBACK, free_port
+from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
+from pipellm.executor.remote import RemoteStagesExecutor
+from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady
+from pipellm.worker.net import LOOPBACK, free_port
 
 logger = logging.getLogger(__name__)
 
-READY, ERROR = "ready", "error"
 STARTUP_TIMEOUT_S = 300.0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteStagesExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self.num_stages = config.pipeline_parallel_size
         # One process per tensor-parallel rank of each stage; rank 0 of the last stage samples.
@@ -87,9 +88,11 @@ class MultiprocExecutor(Executor):
                 conn = self.conns[rank]
                 if not conn.poll():
                     raise WorkerDiedError(f"pipeline stage {rank} exited while starting")
-                kind, payload = conn.recv()
-                if kind == ERROR:
-                    raise WorkerDiedError(f"pipeline stage {rank} failed to start:\n{payload}")
+                message: StageReady | StageFailed = conn.recv()
+                if isinstance(message, StageFailed):
+                    raise WorkerDiedError(
+                        f"pipeline stage {rank} failed to start:\n{message.traceback}"
+                    )
                 waiting.discard(rank)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
@@ -124,19 +127,18 @@ class MultiprocExecutor(Executor):
                     if isinstance(message, ModelOutput):
                         self._pending.resolve_oldest(message)
                         continue
-                    self._stage_failed(rank, message[1])
+                    self._stage_failed(rank, message.traceback)
                 elif isinstance(item, Connection):
                     try:
-                        _, detail = item.recv()
+                        failed: StageFailed = item.recv()
                     except (EOFError, OSError):
                         continue
-                    self._stage_failed(rank, detail)
+                    self._stage_failed(rank, failed.traceback)
                 elif not self._closed:
                     self.processes[rank].join(timeout=1.0)  # the exit code is set on join
-                    code = self.processes[rank].exitcode
+                    process = self.processes[rank]
                     self._pending.fail(
-                        f"pipeline stage {rank} (pid {self.processes[rank].pid}) died "
-                        f"with exit code {code}"
+                        f"pipeline stage {rank} (pid {process.pid}) {exit_cause(process.exitcode)}"
                     )
             if self._pending.dead:
                 return
@@ -149,18 +151,10 @@ class MultiprocExecutor(Executor):
         self._pending.fail(f"pipeline stage {rank} failed: {last_line[:200]}", log=False)
 
     def check_health(self) -> None:
-        if self._pending.dead:
-            raise WorkerDiedError(self._pending.dead)
+        self._raise_if_dead()
         for rank, process in enumerate(self.processes):
             if not process.is_alive():
                 raise WorkerDiedError(f"pipeline stage {rank} is not running")
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._pending.fail("the executor was shut down", log=False)
-        self._finalizer()
 
 
 def _reap(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
@@ -204,9 +198,9 @@ def stage_main(
         from pipellm.worker.process_group import Rendezvous
 
         stage = PipelineStage(config, rank, Rendezvous(LOOPBACK, port))
-        conn.send((READY, None))
+        conn.send(StageReady())
     except BaseException:
-        conn.send((ERROR, traceback.format_exc()))
+        conn.send(StageFailed(traceback.format_exc()))
         return
     try:
         while (scheduler_output := pickle.loads(conn.recv_bytes())) is not None:
@@ -216,6 +210,22 @@ def stage_main(
         stage.close()
     except BaseException:
         try:
-            conn.send((ERROR, traceback.format_exc()))
+            conn.send(StageFailed(traceback.format_exc()))
         finally:
             os._exit(1)  # peers may be blocked on this stage; the engine reaps them all
+
+
+def exit_cause(code: int | None) -> str:
+    """Why a stage process ended, in words: a signal's name, or what a plain exit means here."""
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    if code == 0:
+        # A stage exits cleanly only when told to, or when its engine or a neighbouring stage
+        # went away first (its pipe or its process group closed): it is not the cause.
+        return "exited on its own (exit code 0): its engine or a neighbouring stage stopped first"
+    return f"exited with code {code}"

@@ -7,8 +7,8 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 
-from pipellm.engine.scheduler_output import ModelOutput
 from pipellm.executor.base import WorkerDiedError
+from pipellm.protocol import ModelOutput
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,12 @@ stops it. Otherwise it starts a private Ray with explicit CPUs, no dashboard and
 its own, and at shutdown ends every process of it: Ray's agents (ray::DashboardAgent,
 ray::RuntimeEnvAgent) may outlive `ray.shutdown()` and ignore SIGTERM, so survivors get SIGKILL.
 
-Placement: one placement-group bundle per stage, PACK by default, so neighbouring stages share
-a host when they fit and spread when they do not (Ray's placement groups:
-https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html). Stages take the bundles
-host by host, so stage k+1 runs on stage k's host whenever that host holds both.
+Placement: one placement-group bundle per rank (a stage, or one tensor-parallel rank of it),
+PACK by default, so neighbouring stages share a host when they fit and spread when they do not
+(Ray's placement groups: https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html).
+Stages take the bundles host by host, so stage k+1 runs on stage k's host whenever that host
+holds both; with tensor parallelism a stage takes T bundles of one host whenever one has T
+left, so that its all-reduces stay in shared memory (across hosts they go over gloo).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class RaySession:
     processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, start time)
 
 
-def connect(num_stages: int) -> RaySession:
-    """Joins the cluster RAY_ADDRESS names, or starts a private local Ray."""
+def connect(num_ranks: int) -> RaySession:
+    """Joins the cluster RAY_ADDRESS names, or starts a private local Ray (a CPU per rank at
+    least)."""
     import ray
 
     if ray.is_initialized():  # the caller connected already: use it, never stop it
@@ -63,7 +66,7 @@ def connect(num_stages: int) -> RaySession:
         return RaySession(private=False, connected_here=True, address=_gcs_address())
     temp_dir = tempfile.mkdtemp(prefix="pipellm-ray-")
     ray.init(
-        num_cpus=max(num_stages, os.cpu_count() or 1),
+        num_cpus=max(num_ranks, os.cpu_count() or 1),
         include_dashboard=False,
         _temp_dir=temp_dir,
         log_to_driver=False,
@@ -107,7 +110,8 @@ def stage_bundle(config: EngineConfig) -> dict[str, float]:
 
 
 def place_stages(num_stages: int, bundle: dict[str, float], strategy: str = "PACK") -> Any:
-    """Reserves one bundle per stage, or raises RayClusterError within PLACEMENT_TIMEOUT_S."""
+    """Reserves one bundle per stage (per rank with tensor parallelism: `num_stages` counts
+    them), or raises RayClusterError within PLACEMENT_TIMEOUT_S."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -119,9 +123,10 @@ def place_stages(num_stages: int, bundle: dict[str, float], strategy: str = "PAC
     ]
     if missing:
         raise RayClusterError(
-            f"the Ray cluster cannot hold {num_stages} pipeline stages: they need "
+            f"the Ray cluster cannot hold {num_stages} pipeline stages (ranks): they need "
             f"{', '.join(missing)}. Add hosts (`ray start --address ...`), give them more "
-            "(`ray start --num-cpus N`), or lower --pipeline-parallel-size"
+            "(`ray start --num-cpus N`), or lower --pipeline-parallel-size or "
+            "--tensor-parallel-size"
         )
     group = placement_group([dict(bundle)] * num_stages, strategy=strategy)
     try:
@@ -147,6 +152,25 @@ def stage_order(bundle_nodes: dict[int, str], first_node: str | None) -> list[in
         hosts.remove(first_node)
         hosts.insert(0, first_node)
     return [i for host in hosts for i in sorted(bundle_nodes) if bundle_nodes[i] == host]
+
+
+def rank_order(bundle_nodes: dict[int, str], first_node: str | None, tp_size: int) -> list[int]:
+    """Bundle indices in rank order (rank = stage x T + tensor-parallel rank): stages host by
+    host as in stage_order, each stage's T ranks on one host whenever some host has T bundles
+    left; the bundles left over on each host (fewer than T) go, in host order, to the stages
+    that fit nowhere whole (those all-reduce over gloo)."""
+    order = stage_order(bundle_nodes, first_node)
+    if tp_size == 1:
+        return order
+    by_host: dict[str, list[int]] = {}
+    for index in order:
+        by_host.setdefault(bundle_nodes[index], []).append(index)
+    whole, left = [], []
+    for indices in by_host.values():
+        cut = len(indices) - len(indices) % tp_size
+        whole += indices[:cut]
+        left += indices[cut:]
+    return whole + left
 
 
 def bundle_nodes(group: Any) -> dict[int, str]:

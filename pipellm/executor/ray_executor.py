@@ -1,9 +1,12 @@
 """Pipeline stages as Ray actors, on one host or across a cluster: P micro-batches in flight.
 
-Ray carries each SchedulerOutput to every stage actor (actor calls run in submission order);
+One actor per rank: with tensor parallelism T, each stage's T ranks are T actors (ranks
+numbered stage-major, as in the mp backend), each in its own placement-group bundle, a stage's
+bundles on one host where the cluster allows, so its all-reduces go through shared memory.
+Ray carries each SchedulerOutput to every actor (actor calls run in submission order);
 hidden states go stage to stage over torch.distributed as in the mp backend, and the last
-actor's return value is the micro-batch's ModelOutput. Which Ray, and where each stage runs,
-is ray_cluster's business. Startup, in phases that each fail fast and name the stage and host:
+stage's rank 0 returns the micro-batch's ModelOutput. Which Ray, and where each rank runs,
+is ray_cluster's business. Startup, in phases that each fail fast and name the rank and host:
   1. every actor checks that its host can open the model and says where it runs;
   2. the first stage opens the rendezvous on its own host's address (loopback when all stages
      share one host) and the others join it;
@@ -23,11 +26,12 @@ from functools import partial
 from typing import Any
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor import ray_cluster
-from pipellm.executor.base import Executor, WorkerDiedError
+from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.ray_stage import StageActor, StageLocation
+from pipellm.executor.remote import RemoteStagesExecutor
+from pipellm.protocol import ModelOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -36,25 +40,29 @@ CLOCK_SAMPLES = 5
 DIAGNOSE_TIMEOUT_S = 3.0  # a live stage answers a ping queued behind failing steps
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteStagesExecutor):
     def __init__(self, config: EngineConfig) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.num_stages = config.pipeline_parallel_size
+        self.tp_size = config.tensor_parallel_size
+        self.num_ranks = self.num_stages * self.tp_size
+        self.output_rank = (self.num_stages - 1) * self.tp_size  # samples (docs/tensor_parallel.md)
         self._pending = PendingOutputs()
         self._closed = False
         self._failing, self._failed = threading.Lock(), False
         self.actors: list[Any] = []
-        self._held = _Held(ray_cluster.connect(self.num_stages))
+        self._held = _Held(ray_cluster.connect(self.num_ranks))
         # Stop the stages and a private Ray even if the owner forgets to call shutdown().
         self._finalizer = weakref.finalize(self, _release, self._held)
         try:
             bundle = ray_cluster.stage_bundle(config)
-            self._held.group = ray_cluster.place_stages(self.num_stages, bundle)
-            order = ray_cluster.stage_order(
+            self._held.group = ray_cluster.place_stages(self.num_ranks, bundle)
+            order = ray_cluster.rank_order(
                 ray_cluster.bundle_nodes(self._held.group),
                 ray.get_runtime_context().get_node_id(),
+                self.tp_size,
             )
             actor_class = ray.remote(
                 num_cpus=bundle["CPU"],
@@ -67,7 +75,7 @@ class RayExecutor(Executor):
                         self._held.group, placement_group_bundle_index=order[rank]
                     )
                 ).remote(config, rank)
-                for rank in range(self.num_stages)
+                for rank in range(self.num_ranks)
             ]
             self._held.actors = self.actors
             self.locations: list[StageLocation] = self._wait_all(
@@ -88,8 +96,8 @@ class RayExecutor(Executor):
             raise
         for rank, loc in enumerate(self.locations):
             logger.info(
-                "pipeline stage %d on host %s (%s, pid %d, clock offset %+.3f ms)",
-                rank,
+                "%s on host %s (%s, pid %d, clock offset %+.3f ms)",
+                self._name(rank),
                 loc.address,
                 loc.hostname,
                 loc.pid,
@@ -117,11 +125,17 @@ class RayExecutor(Executor):
                         ray.get(ref)
                     except Exception as error:
                         raise WorkerDiedError(
-                            f"pipeline stage {rank} ({self._where(rank)}) failed to {what}: "
+                            f"{self._name(rank)} ({self._where(rank)}) failed to {what}: "
                             f"{_cause(error)}"
                         ) from error
                     del waiting[rank]
         return ray.get(refs)
+
+    def _name(self, rank: int) -> str:
+        if self.tp_size == 1:
+            return f"pipeline stage {rank}"
+        stage, tp_rank = divmod(rank, self.tp_size)
+        return f"pipeline stage {stage} (tensor-parallel rank {tp_rank})"
 
     def _where(self, rank: int) -> str:
         locations = getattr(self, "locations", None)
@@ -135,9 +149,10 @@ class RayExecutor(Executor):
         if future.done():
             return future
         refs = [actor.step.remote(scheduler_output) for actor in self.actors]
-        for rank, ref in enumerate(refs[:-1]):
-            ref.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
-        refs[-1].future().add_done_callback(self._deliver)
+        for rank, ref in enumerate(refs):
+            if rank != self.output_rank:
+                ref.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
+        refs[self.output_rank].future().add_done_callback(self._deliver)
         return future
 
     def _check(self, done: Future[Any], rank: int) -> None:
@@ -147,7 +162,7 @@ class RayExecutor(Executor):
             if self._failed:
                 return
             self._failed = True
-        reason = f"pipeline stage {rank} ({self._where(rank)}) failed: {_cause(done.exception())}"
+        reason = f"{self._name(rank)} ({self._where(rank)}) failed: {_cause(done.exception())}"
         # A stage whose peer's host died fails first (its connection is reset): find the stage
         # that is really gone, off Ray's callback thread, and name it too.
         threading.Thread(target=self._fail_naming_the_dead, args=(reason,), daemon=True).start()
@@ -160,23 +175,25 @@ class RayExecutor(Executor):
         gone = []
         for rank, ping in enumerate(pings):
             if ping not in ready:
-                gone.append(f"stage {rank} ({self._where(rank)}) does not answer")
+                gone.append(f"{self._name(rank)} ({self._where(rank)}) does not answer")
                 continue
             try:
                 ray.get(ping)
             except Exception as error:
-                gone.append(f"stage {rank} ({self._where(rank)}) is gone: {_cause(error)}")
+                gone.append(f"{self._name(rank)} ({self._where(rank)}) is gone: {_cause(error)}")
         self._pending.fail("; ".join([reason, *gone]))
 
     def _deliver(self, done: Future[Any]) -> None:
         if done.exception() is not None:
-            self._check(done, self.num_stages - 1)
+            self._check(done, self.output_rank)
             return
         output: ModelOutput = done.result()
         # Each stage timed itself on its own clock: move every interval onto the driver's.
+        # The times travel along the stages' rank 0s, as the hidden states to the sampler do.
+        offsets = self.clock_offsets[:: self.tp_size]
         output.stage_times = [
             (start - offset, end - offset)
-            for (start, end), offset in zip(output.stage_times, self.clock_offsets, strict=True)
+            for (start, end), offset in zip(output.stage_times, offsets, strict=True)
         ]
         self._pending.resolve_oldest(output)
 
@@ -184,19 +201,11 @@ class RayExecutor(Executor):
         """Raises if a stage failed; pings every stage, so a stage whose host died while the
         engine is idle (when the engine calls this) is noticed, too. A ping queues behind the
         stage's steps, so none is sent while earlier pings are unanswered."""
-        if self._pending.dead:
-            raise WorkerDiedError(self._pending.dead)
+        self._raise_if_dead()
         if all(ping.future().done() for ping in self._pings):
             self._pings = [actor.ping.remote() for actor in self.actors]
             for rank, ping in enumerate(self._pings):
                 ping.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._pending.fail("the executor was shut down", log=False)
-        self._finalizer()
 
 
 @dataclass

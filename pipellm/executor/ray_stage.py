@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
-from pipellm.executor.net import LOOPBACK, listening_socket
-from pipellm.model.registry import find_preset
-from pipellm.model.source import ModelNotFoundError, resolve_model
+from pipellm.loader.registry import find_preset
+from pipellm.loader.source import ModelNotFoundError, resolve_model
+from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.worker.net import LOOPBACK, listening_socket
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ def config_for_this_host(config: EngineConfig, address: str) -> EngineConfig:
 
 
 class StageActor:
-    """One pipeline stage as a Ray actor (made remote by the executor, with its resources)."""
+    """One pipeline stage, or one tensor-parallel rank of it, as a Ray actor (made remote by
+    the executor, with its resources)."""
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
         import ray
@@ -89,6 +90,11 @@ class StageActor:
 
     def ping(self) -> bool:
         return True
+
+    def tensor_parallel_comm(self) -> str | None:
+        """Which communicator this rank's stage all-reduces over (ShmComm, GlooComm), if any."""
+        comm = self.stage.comm if self.stage is not None else None
+        return None if comm is None else type(comm).__name__
 
     def step(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:
         return self.stage.step(scheduler_output)

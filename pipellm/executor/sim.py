@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor, WorkerDiedError
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.sim.clock import VirtualClock
 from pipellm.sim.cost import Hardware, Link, Precision
 from pipellm.sim.profile import Profile, load_profile
@@ -93,7 +93,7 @@ class _ModelledStages(Executor):
             for r in scheduler_output.requests
             if r.sample
         ]
-        return ModelOutput(scheduler_output.step_id, tokens, stage_times=stage_times)
+        return ModelOutput(scheduler_output.micro_batch_id, tokens, stage_times=stage_times)
 
     def check_health(self) -> None:
         if self._closed:

@@ -8,15 +8,15 @@ from concurrent.futures import Future
 import torch
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.executor.base import Executor
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.worker import StageWorker
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.threads_per_stage)
-        self.worker = StageWorker(config, stage_rank=0)
+        self.worker = StageWorker(config, stage_index=0)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
         future: Future[ModelOutput] = Future()

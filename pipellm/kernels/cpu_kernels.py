@@ -41,6 +41,7 @@ _FILES = (
     "prefill_attention.cpp",
     "packed_linear.cpp",
     "quantized_linear.cpp",
+    "int8_linear.cpp",
     "rotary_and_cache.cpp",
     "elementwise.cpp",
 )
@@ -193,6 +194,19 @@ def _chosen_loaded() -> str:
     if not cpu_kernels_available():
         raise RuntimeError(f"pipellm CPU kernels are not available here: {why_unavailable()}")
     return chosen_level()
+
+
+def int8_activations_unavailable() -> str | None:
+    """None if the int8-activation GEMM (`quantization="gguf_int8"`, int8_linear.cpp) runs
+    here, else why not: it needs the avx512 level and the CPU's AVX-512 VNNI."""
+    reason = why_unavailable()
+    if reason is not None:
+        return f"pipellm's CPU kernels are not used ({reason})"
+    if chosen_level() != "avx512":
+        return f"it needs the avx512 kernel level, this runs {chosen_level()} ({LEVEL_ENV})"
+    if "avx512_vnni" not in (cpu_flags() or _flags_from_torch()):
+        return "it needs AVX-512 VNNI (the avx512_vnni CPU flag), which this CPU lacks"
+    return None
 
 
 def kernels_apply(x: torch.Tensor) -> bool:

@@ -42,7 +42,11 @@ using pipellm_kernels::PanelOutput;
 
 constexpr int64_t kBlock = 32;          // GGUF block: input rows sharing one scale
 constexpr int64_t kSliceDepth = 256;    // depth dequantized at a time: 16 KB of float32
+#if defined(__AVX512F__)
+constexpr int64_t kRowsBlock = 384;     // above 64 rows: rows of x per pass (384 KB in L2)
+#else
 constexpr int64_t kRowsBlock = 192;     // above 64 rows: rows of x per pass (192 KB in L2)
+#endif
 constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;  // the `kind` argument
 constexpr int64_t kPrefetchBytes = 4096;  // ~10 Q4_1 records ahead
 // Up to this many rows, the weights are dequantized in registers (fused_row_block): measured
@@ -337,12 +341,16 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
         for (int64_t k0 = 0; k0 < depth; k0 += kSliceDepth) panel_slice(p, k0, 0, m);
       return;
     }
-    // Prefill sizes: x is taken kRowsBlock rows by kSliceDepth columns at a time, a block that
-    // stays in L2 while this thread's panels go by.
-    for (int64_t m0 = 0; m0 < m; m0 += kRowsBlock)
+    // Prefill sizes: x is taken in near-equal passes of at most kRowsBlock rows by kSliceDepth
+    // columns, a block that stays in L2 while this thread's panels go by; each pass pays the
+    // dequantization once (256 rows: one pass of 256, not 192 + 64).
+    const int64_t passes = (m + kRowsBlock - 1) / kRowsBlock;
+    for (int64_t i = 0, m0 = 0; i < passes; ++i) {
+      const int64_t m1 = m0 + m / passes + (i < m % passes ? 1 : 0);
       for (int64_t k0 = 0; k0 < depth; k0 += kSliceDepth)
-        for (int64_t p = first; p < last; ++p)
-          panel_slice(p, k0, m0, std::min(m, m0 + kRowsBlock));
+        for (int64_t p = first; p < last; ++p) panel_slice(p, k0, m0, m1);
+      m0 = m1;
+    }
   });
   return y.finish();
 }

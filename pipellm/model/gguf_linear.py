@@ -61,14 +61,16 @@ def _float16(pairs: torch.Tensor) -> torch.Tensor:
     return pairs.contiguous().view(torch.float16).squeeze(-1)
 
 
-def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
-    """The kernel's layout: [panels, in_features / 32, record] uint8, one record per panel of
-    16 output columns and 32-row block (see pipellm/kernels/quantized_linear.cpp)."""
+def _by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(scales, mins or None, quants) of the weight by panel of 16 output columns and 32-row
+    block: float16 [panels, blocks, 16] twice, then [panels, blocks, 32 (depth), 16 (column)]
+    (uint8 0..15 for Q4_1, int8 for Q8_0). Padded columns get zero scales and mins: they come
+    out 0."""
     rows = weight.blocks.shape[0]
     num_blocks = weight.in_features // BLOCK
     blocks = weight.blocks.view(rows, num_blocks, -1)
     panels = -(-rows // PANEL)
-    pad = panels * PANEL - rows  # zero scales (and mins): padded columns come out 0
+    pad = panels * PANEL - rows
 
     def by_panel(values: torch.Tensor) -> torch.Tensor:
         """[rows, blocks, *rest] -> [panels, blocks, *rest, 16], zero-padded."""
@@ -76,36 +78,77 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
         values = values.view(panels, PANEL, *values.shape[1:])
         return values.movedim(1, -1).contiguous()
 
-    def as_bytes(values: torch.Tensor) -> torch.Tensor:
-        return values.contiguous().view(torch.uint8).reshape(panels, num_blocks, -1)
-
-    # Scales (and mins) stay float16, as in the file: the kernel widens them exactly (F16C).
     scales = by_panel(_float16(blocks[..., 0:2]))
     if weight.kind == GGMLQuantizationType.Q4_1:
         mins = by_panel(_float16(blocks[..., 2:4]))
         packed_q = blocks[..., 4:20]  # value i in the low nibble of byte i, i + 16 in the high
         q = torch.cat([packed_q & 0x0F, packed_q >> 4], dim=-1)  # [rows, blocks, 32]
-        q = by_panel(q)  # [panels, blocks, 32, 16]
+        return scales, mins, by_panel(q)
+    return scales, None, by_panel(blocks[..., 2:34].contiguous().view(torch.int8))
+
+
+def _records(*parts: torch.Tensor) -> torch.Tensor:
+    """Each part [panels, blocks, ...] as bytes, joined into one record per (panel, block)."""
+    panels, num_blocks = parts[0].shape[:2]
+    return torch.cat(
+        [part.contiguous().view(torch.uint8).reshape(panels, num_blocks, -1) for part in parts],
+        dim=-1,
+    )
+
+
+def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """The exact kernel's layout: [panels, in_features / 32, record] uint8, one record per
+    panel of 16 output columns and 32-row block (see pipellm/kernels/quantized_linear.cpp).
+    Scales (and mins) stay float16, as in the file: the kernel widens them exactly (F16C)."""
+    scales, mins, q = _by_panels(weight)
+    if mins is not None:
         pairs = q[..., :8] | (q[..., 8:] << 4)  # byte j: column j low, column j + 8 high
-        return torch.cat([as_bytes(scales), as_bytes(mins), as_bytes(pairs)], dim=-1)
-    q = by_panel(blocks[..., 2:34])  # int8 bytes, [panels, blocks, 32, 16]
-    return torch.cat([as_bytes(scales), as_bytes(q)], dim=-1)
+        return _records(scales, mins, pairs)
+    return _records(scales, q)
+
+
+def pack_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """The int8 (VNNI) kernel's layout (pipellm/kernels/int8_linear.cpp): per record, 4
+    consecutive depths of a column in each 32-bit lane, as vpdpbusd multiplies them."""
+    scales, mins, q = _by_panels(weight)
+    panels, num_blocks = q.shape[:2]
+
+    def lanes(values: torch.Tensor, groups: int) -> torch.Tensor:
+        """[P, B, 4 groups, 16 columns] -> [P, B, groups, 16 columns, 4 depths]."""
+        return values.view(panels, num_blocks, groups, 4, PANEL).transpose(-1, -2)
+
+    if mins is not None:  # depth 4 i + t in the low nibble, 16 + 4 i + t in the high
+        nibbles = lanes(q[:, :, :16], 4) | (lanes(q[:, :, 16:], 4) << 4)
+        return _records(scales, mins, nibbles)
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)  # vpdpbusd takes u8 weights
+    return _records(scales, lanes(shifted, 8))
 
 
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W in a GGUF quantized format, for float32 x on the CPU."""
 
     def __init__(
-        self, weight: QuantizedWeight, bias: torch.Tensor | None, level: str | None = None
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        level: str | None = None,
+        int8_activations: bool = False,
     ) -> None:
-        """level: the kernels' instruction-set level (default: the one chosen for this CPU)."""
+        """level: the kernels' instruction-set level (default: the one chosen for this CPU).
+        int8_activations: x rounded to int8 per 32 values and VNNI integer dot products
+        (`quantization="gguf_int8"`: faster, not bit-identical; needs AVX-512 VNNI)."""
         super().__init__()
         self.out_features, self.in_features = weight.blocks.shape[0], weight.in_features
         self.bias = bias
         self.kind = weight.kind
         self.kernel_kind = KERNEL_KINDS[weight.kind]
-        self.packed_weight = pack_quantized_weight(weight)
-        self.linear_op = ops(level).quantized_linear
+        self.int8_activations = int8_activations
+        if int8_activations:
+            self.packed_weight = pack_int8_weight(weight)
+            self.linear_op = ops(level).quantized_linear_int8
+        else:
+            self.packed_weight = pack_quantized_weight(weight)
+            self.linear_op = ops(level).quantized_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return on_rows(
@@ -118,4 +161,8 @@ class QuantizedLinear(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name}"
+        int8 = ", int8 activations" if self.int8_activations else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.kind.name}{int8}"
+        )

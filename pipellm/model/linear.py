@@ -55,17 +55,23 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(
-    module: nn.Module, quantized: dict[str, QuantizedWeight], prefix: str = ""
+    module: nn.Module,
+    quantized: dict[str, QuantizedWeight],
+    prefix: str = "",
+    int8_activations: bool = False,
 ) -> None:
     """Replaces every nn.Linear below `module` by a QuantizedLinear where `quantized` has its
-    GGUF weight (by qualified name; its float32 weight may never have been loaded), else by a
-    PackedLinear, where the CPU allows."""
+    GGUF weight (by qualified name; its float32 weight may never have been loaded; with
+    `int8_activations`, the int8 kernel), else by a PackedLinear, where the CPU allows."""
     for name, child in module.named_children():
         qualified = prefix + name
         if isinstance(child, nn.Linear):
             if qualified in quantized:
-                setattr(module, name, QuantizedLinear(quantized[qualified], child.bias))
+                layer = QuantizedLinear(
+                    quantized[qualified], child.bias, int8_activations=int8_activations
+                )
+                setattr(module, name, layer)
             elif can_prepack(child.weight):
                 setattr(module, name, PackedLinear(child.weight.detach(), child.bias))
         else:
-            prepack_linears(child, quantized, qualified + ".")
+            prepack_linears(child, quantized, qualified + ".", int8_activations)

@@ -21,6 +21,7 @@ from pipellm.model.gguf_linear import QuantizedWeight, stack_rows
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import RotaryEmbedding
+from pipellm.model.stage_spec import StageSpec
 from pipellm.model.tp_plan import TensorParallelPlan, plan_tensor_parallel
 from pipellm.parallel.comm import TensorParallelComm
 
@@ -147,16 +148,15 @@ class LlamaStage(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        layer_start: int,
-        layer_end: int,
-        is_first: bool,
-        is_last: bool,
+        stage: StageSpec,
         dtype: torch.dtype,
         tp: TensorParallelPlan | None = None,
         comm: TensorParallelComm | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        layer_start, layer_end = stage.layer_start, stage.layer_end
+        is_first, is_last = stage.is_first, stage.is_last
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first, self.is_last = is_first, is_last
         self.tp = tp = tp or plan_tensor_parallel(config, 1, 0)
@@ -215,19 +215,23 @@ class LlamaStage(nn.Module):
         return logits if self.comm is None else self.comm.all_gather(logits)
 
     def prepare_for_inference(
-        self, prepack: bool, quantized: dict[str, QuantizedWeight] | None = None
+        self,
+        prepack: bool,
+        quantized: dict[str, QuantizedWeight] | None = None,
+        int8_activations: bool = False,
     ) -> None:
         """Ties lm_head to the embedding where the config says so, and, with `prepack`,
         reorders every linear weight for the CPU's GEMM (see model/linear.py), except the
         linears `quantized` gives GGUF weights for (by module name, see quantized_linears),
-        which compute on those (model/gguf_linear.py). A tied lm_head gets its own packed copy
-        of the embedding: it is the largest GEMM."""
+        which compute on those (model/gguf_linear.py; with `int8_activations`, on int8
+        activations). A tied lm_head gets its own packed copy of the embedding: it is the
+        largest GEMM."""
         if self.is_last and self.lm_head is None:
             hidden, vocab = self.config.hidden_size, self.tp.vocab_size
             self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         if prepack:
-            prepack_linears(self, quantized or {})
+            prepack_linears(self, quantized or {}, int8_activations=int8_activations)
 
     def quantized_linears(
         self, checkpoint_weights: dict[str, QuantizedWeight]

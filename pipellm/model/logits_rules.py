@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipellm.engine.scheduler_output import SchedulerOutput
+from pipellm.protocol import SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 
 

@@ -8,11 +8,10 @@ import logging
 import torch
 
 from pipellm.model.logits_rules import RowRules, apply_logits_rules
+from pipellm.protocol import Logprobs
 from pipellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Logprobs = tuple[float, list[tuple[int, float]]]
 
 
 def position_seed(seed: int, position: int) -> int:

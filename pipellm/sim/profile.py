@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from pipellm.model.stage_spec import stage_specs
 from pipellm.sim.cost import (
     Hardware,
     LinearCoefficients,
@@ -25,7 +26,6 @@ from pipellm.sim.cost import (
     StageCost,
 )
 from pipellm.sim.shapes import BatchShape, model_shape
-from pipellm.worker.partition import partition_layers
 
 COST_MODELS = ("roofline", "linear")
 # Keys a profile may hold beyond its sections; free-form notes for readers.
@@ -53,23 +53,19 @@ class Profile:
     def stage_costs(self, served_model: dict[str, Any], num_stages: int) -> list[StageCost]:
         """One cost per stage, the model's layers split as the engine splits them."""
         cfg = self.model or served_model
-        ranges = partition_layers(cfg["num_hidden_layers"], num_stages)
-        last = num_stages - 1
+        stages = stage_specs(cfg["num_hidden_layers"], num_stages)
         if self.linear is not None:
-            return [
-                LinearStageCost(end - start, s == last, self.linear)
-                for s, (start, end) in enumerate(ranges)
-            ]
+            return [LinearStageCost(s.num_layers, s.is_last, self.linear) for s in stages]
         assert self.hardware is not None and self.precision is not None
         shape = model_shape(cfg)
         return [
             RooflineStageCost(
-                tuple(shape.layers[start:end]),
-                shape.head_params if s == last else 0,
+                tuple(shape.layers[s.layer_start : s.layer_end]),
+                shape.head_params if s.is_last else 0,
                 self.hardware,
                 self.precision,
             )
-            for s, (start, end) in enumerate(ranges)
+            for s in stages
         ]
 
     def link_seconds(self, batch: BatchShape, served_model: dict[str, Any]) -> float:

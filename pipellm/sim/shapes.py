@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipellm.engine.scheduler_output import SchedulerOutput
+from pipellm.protocol import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pipellm.model.forward_batch import ForwardBatch, PrefillChunk
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 
 

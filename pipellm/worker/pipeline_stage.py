@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, SchedulerOutput
 from pipellm.parallel.tp_group import make_tensor_parallel_comm
+from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.process_group import Rendezvous, join_pipeline_group
 from pipellm.worker.worker import StageWorker
 
@@ -39,8 +39,9 @@ class PipelineStage:
         torch.set_num_threads(config.threads_per_stage)
         self.rank, self.num_stages = rank, config.pipeline_parallel_size
         self.tp_size = config.tensor_parallel_size
-        self.stage, tp_rank = divmod(rank, self.tp_size)
-        self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
+        self.stage, tp_rank = divmod(rank, self.tp_size)  # ranks are stage-major
+        spec = config.stage(self.stage)
+        self.is_first, self.is_last = spec.is_first, spec.is_last
         world_size = self.num_stages * self.tp_size
         self._group = join_pipeline_group(rendezvous, rank, world_size, listener)
         self.comm = make_tensor_parallel_comm(self.num_stages, self.tp_size, self.stage)

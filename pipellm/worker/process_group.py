@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from pipellm.config import DEVICE
-from pipellm.executor.net import LOOPBACK, interface_of
+from pipellm.worker.net import LOOPBACK, interface_of
 
 STORE_TIMEOUT = timedelta(seconds=300)  # how long a stage waits for the others to join
 

@@ -8,21 +8,20 @@ import sys
 import torch
 
 from pipellm.config import EngineConfig
-from pipellm.engine.scheduler_output import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
+from pipellm.loader.source import resolve_model
+from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
-from pipellm.model.prompt_logprobs import prompt_logprobs
 from pipellm.model.sampler import sample
-from pipellm.model.source import resolve_model
-from pipellm.model.structured_output import GrammarMasks
-from pipellm.model.tokenizer import Tokenizer, load_tokenizer
 from pipellm.model.tp_plan import plan_tensor_parallel
-from pipellm.model.weights import iter_quantized_weights, iter_weights
 from pipellm.parallel.comm import TensorParallelComm
+from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
+from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from pipellm.worker.model_runner import ModelRunner
-from pipellm.worker.partition import partition_layers
+from pipellm.worker.prompt_logprobs import prompt_logprobs
+from pipellm.worker.structured_output import GrammarMasks
 
 # glibc mallopt parameters, and the values that keep freed activations in the heap.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -53,31 +52,25 @@ class StageWorker:
     def __init__(
         self,
         config: EngineConfig,
-        stage_rank: int,
+        stage_index: int,
         tp_rank: int = 0,
         comm: TensorParallelComm | None = None,
     ) -> None:
         keep_freed_memory()
         cpu_kernels_available()  # build or load them now, not in the first step
         self.config = config
-        self.stage_rank = stage_rank
-        num_stages = config.pipeline_parallel_size
-        self.is_first, self.is_last = stage_rank == 0, stage_rank == num_stages - 1
+        self.stage = stage = config.stage(stage_index)
+        self.is_first, self.is_last = stage.is_first, stage.is_last
         self.samples = self.is_last and tp_rank == 0  # one rank of the last stage samples
         mc = config.model_config
-        start, end = partition_layers(mc.num_hidden_layers, num_stages)[stage_rank]
         tp = plan_tensor_parallel(mc, config.tensor_parallel_size, tp_rank)
         shard_of = tp.weight_shard
-        self.model = LlamaStage(
-            mc, start, end, self.is_first, self.is_last, config.torch_dtype, tp, comm
-        )
+        self.model = LlamaStage(mc, stage, config.torch_dtype, tp, comm)
         # GGUF weights the kernel takes as stored are never dequantized: the load's peak
         # memory is then the quantized model, not the float32 one.
         quantized = {}
-        if config.quantization == "gguf" and cpu_kernels_available():
-            checkpoint = iter_quantized_weights(
-                config.source, mc, start, end, self.is_first, self.is_last, shard_of
-            )
+        if config.quantization.startswith("gguf") and cpu_kernels_available():
+            checkpoint = iter_quantized_weights(config.source, mc, stage, shard_of)
             quantized = self.model.quantized_linears(dict(checkpoint))
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
@@ -86,20 +79,14 @@ class StageWorker:
             if self.is_first:
                 skip.discard("model.embed_tokens.weight")  # the lookup needs its float32 rows
             self.model.load_weights(
-                iter_weights(
-                    config.source,
-                    mc,
-                    start,
-                    end,
-                    self.is_first,
-                    self.is_last,
-                    config.torch_dtype,
-                    skip,
-                    shard_of,
-                ),
+                iter_weights(config.source, mc, stage, config.torch_dtype, skip, shard_of),
                 skipped=skip,
             )
-        self.model.prepare_for_inference(prepack=True, quantized=quantized)
+        self.model.prepare_for_inference(
+            prepack=True,
+            quantized=quantized,
+            int8_activations=config.quantization == "gguf_int8",
+        )
         self.model.eval()
         cache_shape = (config.num_kv_blocks, config.block_size, tp.num_kv_heads, mc.head_dim)
         self.kv_caches = [
@@ -107,7 +94,7 @@ class StageWorker:
                 torch.zeros(cache_shape, dtype=config.cache_dtype),
                 torch.zeros(cache_shape, dtype=config.cache_dtype),
             )
-            for _ in range(start, end)
+            for _ in range(stage.num_layers)
         ]
         self.runner = ModelRunner(config.block_size)
         self.token_counts = OutputTokenCounts(mc.vocab_size) if self.is_last else None
@@ -150,7 +137,7 @@ class StageWorker:
         if not self.samples:
             return None
         return ModelOutput(
-            scheduler_output.step_id, tokens, logprobs, prompt_logprobs=prompt, failed=failed
+            scheduler_output.micro_batch_id, tokens, logprobs, prompt_logprobs=prompt, failed=failed
         )
 
     def _token_ids(self, request_id: str) -> list[int]:

@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipellm.model.gguf_file import gguf_eos_token_ids, gguf_value, open_gguf
+from pipellm.loader.gguf_file import gguf_eos_token_ids, gguf_value, open_gguf
+from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset, preset_names
 from pipellm.model.model_config import ModelConfig
-from pipellm.model.registry import BUILTIN_DEFAULT_MODEL, find_preset, preset_names
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

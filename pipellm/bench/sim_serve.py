@@ -1,11 +1,12 @@
-"""The seed's experiment itself, 8 pipeline stages, on a laptop: the sim backend models the
-stages (real scheduler, batch queue, server and benchmark; no model compute).
+"""The experiment of vLLM issue #27462 itself, 8 pipeline stages, on a laptop: the sim backend
+models the stages (real scheduler, batch queue, server and benchmark; no model compute).
 
-Runs the seed's `serve` command line with `--distributed-executor-backend sim`, once as the
-seed's "before" (--no-pp-balance) and once balanced, each loaded by the seed's
-`bench serve` command line; prints both tables in the seed's layout, then the ratios.
+Runs the issue's `serve` command line with `--distributed-executor-backend sim`, once as vLLM
+ran before its fix (--no-pp-balance: the whole batch in one micro-batch) and once balanced,
+each loaded by the issue's `bench serve` command line; prints both tables in the issue's
+layout, then the ratios.
 
-  .venv/bin/python bench/seed_sim.py [--num-prompts 256 --num-warmups 20 --sim-speedup 4]
+  .venv/bin/python -m pipellm.bench.sim_serve [--num-prompts 256 --num-warmups 20 --sim-speedup 4]
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pipellm.bench.server_process import ServerProcess
 from pipellm.bench.timeline import render_timeline
-from pipellm.entrypoints.server_process import ServerProcess
 
 SEED_SERVE_FLAGS = (
     "--trust-remote-code --pipeline-parallel-size 8 --tensor-parallel-size 1 --max-num-seqs 8 "
@@ -34,12 +35,12 @@ SEED_BENCH_FLAGS = (
 
 def run(balanced: bool, args: argparse.Namespace, out: Path) -> dict:
     name = "after" if balanced else "before"
-    trace = out / f"seed_sim_{name}.trace.json"
+    trace = out / f"sim_serve_{name}.trace.json"
     flags = [*SEED_SERVE_FLAGS, "--distributed-executor-backend", "sim"]
     flags += ["--sim-speedup", str(args.sim_speedup), "--kv-cache-memory", str(8 << 30)]
     flags += ["--trace-file", str(trace)] + ([] if balanced else ["--no-pp-balance"])
     print(f"\n### {name}: pipellm serve {' '.join(flags)}", flush=True)
-    with ServerProcess(flags, out / f"seed_sim_{name}.log") as server:
+    with ServerProcess(flags, out / f"sim_serve_{name}.log") as server:
         bench = [*SEED_BENCH_FLAGS, "--num-prompts", str(args.num_prompts)]
         bench += ["--num-warmups", str(args.num_warmups), "--base-url", server.base_url]
         bench += ["--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json"]
@@ -47,7 +48,7 @@ def run(balanced: bool, args: argparse.Namespace, out: Path) -> dict:
         command = [sys.executable, "-m", "pipellm.entrypoints.cli", "bench", "serve", *bench]
         subprocess.run([*command, "--disable-tqdm"], check=True)
         server.stop()
-    render_timeline(trace, out / f"seed_sim_{name}_timeline.png", title=f"sim, 8 stages: {name}")
+    render_timeline(trace, out / f"sim_serve_{name}_timeline.png", title=f"sim, 8 stages: {name}")
     return json.loads((out / f"{name}.json").read_text())
 
 

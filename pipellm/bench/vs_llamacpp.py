@@ -1,10 +1,11 @@
 """pipellm against llama.cpp on the same GGUF file, same threads, taking turns.
 
-llama.cpp runs through llama-cpp-python (an optional, bench-only install: `pip install
-llama-cpp-python==0.3.36`, which builds llama.cpp from source for this CPU; pipellm's `bench`
-extra names it). Both engines load the built-in SmolLM2-135M GGUF (Q4_1 projections, Q8_0
-embedding) and decode greedily; every measurement is a fresh process, and the engines take
-turns (A B C A B C ..., the order rotated each round). Workloads, prompts of random token ids:
+llama.cpp runs through llama-cpp-python (an optional, bench-only install, never a test
+dependency; pipellm's `bench` extra names it), in a Python of its own if need be
+(`--llamacpp-python`): its child process needs only llama_cpp and numpy. Both engines load the
+built-in SmolLM2-135M GGUF (Q4_1 projections, Q8_0 embedding) and decode greedily; every
+measurement is a fresh process, and the engines take turns (A B C A B C ..., the order rotated
+each round). Workloads, prompts of random token ids:
 
 - one sequence: time to first token of a 256-token prompt (prefill + one token), and decode
   tokens/s over the next `--decode-tokens` tokens;
@@ -13,12 +14,24 @@ turns (A B C A B C ..., the order rotated each round). Workloads, prompts of ran
   prefilled in its own sequence (up to n_batch = 2048 tokens a llama_decode), then one
   llama_decode per step carrying every sequence's next token.
 
-Configurations: `pipellm` (its kernels, GGUF weights as stored: the defaults), `pytorch`
-(pipellm with PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the
-prefill reference) and `llamacpp`.
+Configurations: `pipellm` (its kernels, GGUF weights as stored: the defaults, bit-identical to
+float32), `int8` (pipellm with the opt-in `quantization="gguf_int8"`: activations rounded to int8
+for VNNI dot products, as llama.cpp computes; where the CPU has AVX-512 VNNI), `pytorch` (pipellm
+with PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the prefill
+reference) and `llamacpp`. Ratios are llama.cpp's time over each pipellm configuration's.
 
-    cpulock bench .venv/bin/python bench/vs_llamacpp.py               # 2 threads, 3 rounds
-    .venv/bin/python bench/vs_llamacpp.py --threads 1 --rounds 1 --workloads single
+    cpulock bench .venv/bin/python -m pipellm.bench.vs_llamacpp               # 2 threads, 3 rounds
+    .venv/bin/python -m pipellm.bench.vs_llamacpp --threads 1 --rounds 1 --workloads single
+    .venv/bin/python -m pipellm.bench.vs_llamacpp --llamacpp-python /opt/llamacpp-venv/bin/python
+
+Building llama-cpp-python: on a CPU with AMX (Sapphire Rapids and later Xeons) a build with
+llama.cpp's default GGML_NATIVE=ON also compiles its AMX matmul, which crashes (SIGSEGV in
+ggml_backend_amx_mul_mat) in a VM that lists the amx flags; build it for the CPU's vector
+levels with AMX off, e.g. in a venv of its own:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+      -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+      -DGGML_OPENMP=ON" pip install llama-cpp-python==0.3.36
 """
 
 from __future__ import annotations
@@ -34,7 +47,14 @@ import time
 import numpy as np
 
 PROMPT_LEN, BATCH, BATCH_NEW_TOKENS = 256, 16, 64
-CONFIGS = ("pipellm", "pytorch", "llamacpp")
+# name -> (engine, extra environment, pipellm's quantization setting); the llama.cpp child
+# runs in --llamacpp-python.
+CONFIGS = {
+    "pipellm": ("pipellm", {"PIPELLM_CPU_KERNELS": "1"}, "gguf"),
+    "int8": ("pipellm", {"PIPELLM_CPU_KERNELS": "1"}, "gguf_int8"),
+    "pytorch": ("pipellm", {"PIPELLM_CPU_KERNELS": "0"}, "none"),
+    "llamacpp": ("llamacpp", {}, None),
+}
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -50,7 +70,12 @@ def pipellm_child(args: argparse.Namespace) -> dict[str, float]:
 
     from pipellm import LLM, SamplingParams
 
-    llm = LLM(None, max_num_seqs=BATCH, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        max_num_seqs=BATCH,
+        enable_prefix_caching=False,
+        quantization=CONFIGS[args.child][2],
+    )
     torch.set_num_threads(args.threads)  # after LLM(), which sets its own count
 
     def run(batch: list[list[int]], max_tokens: int) -> float:
@@ -65,7 +90,7 @@ def pipellm_child(args: argparse.Namespace) -> dict[str, float]:
         run(prompts(1, next(seeds)), 2)  # warm-up
         ttft = statistics.median(run(prompts(1, next(seeds)), 1) for _ in range(3))
         full = run(prompts(1, next(seeds)), args.decode_tokens + 1)
-        result = {"ttft_s": ttft, "decode_tok_s": args.decode_tokens / (full - ttft)}
+        result = {"ttft_s": ttft, "decode_step_ms": (full - ttft) / args.decode_tokens * 1e3}
     else:
         run(prompts(2, next(seeds)), 2)
         result = {"batch_s": run(prompts(BATCH, next(seeds)), BATCH_NEW_TOKENS)}
@@ -86,6 +111,8 @@ class LlamaCpp:
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(path.encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = BATCH * (PROMPT_LEN + BATCH_NEW_TOKENS)
         params.n_batch, params.n_ubatch = 2048, 512
@@ -94,6 +121,9 @@ class LlamaCpp:
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.batch = llama_cpp.llama_batch_init(2048, 0, 1)
+
+    def system_info(self) -> str:
+        return self.lib.llama_print_system_info().decode()
 
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
@@ -120,10 +150,8 @@ class LlamaCpp:
         return self.decode([(t, p, seq, p == len(prompt) - 1) for p, t in enumerate(prompt)])[0]
 
 
-def llamacpp_child(args: argparse.Namespace) -> dict[str, float]:
-    from pipellm.model.source import resolve_model
-
-    engine = LlamaCpp(str(resolve_model(None).path), args.threads)
+def llamacpp_child(args: argparse.Namespace) -> dict[str, float | str]:
+    engine = LlamaCpp(args.model, args.threads)
     seeds = iter(range(args.seed * 1000, args.seed * 1000 + 1000))
     if args.workload == "single":
 
@@ -139,9 +167,11 @@ def llamacpp_child(args: argparse.Namespace) -> dict[str, float]:
         started = time.perf_counter()
         for pos in range(PROMPT_LEN, PROMPT_LEN + args.decode_tokens):
             token = engine.decode([(token, pos, 0, True)])[0]
+        elapsed = time.perf_counter() - started
         return {
             "ttft_s": ttft,
-            "decode_tok_s": args.decode_tokens / (time.perf_counter() - started),
+            "decode_step_ms": elapsed / args.decode_tokens * 1e3,
+            "system_info": engine.system_info(),
         }
 
     def batch_run(batch: list[list[int]], new_tokens: int) -> float:
@@ -160,44 +190,90 @@ def llamacpp_child(args: argparse.Namespace) -> dict[str, float]:
 # ---- the parent: turns, medians, ratios -------------------------------------------------------
 
 
-def run_child(config: str, workload: str, rnd: int, argv: list[str]) -> dict[str, float]:
-    env = {**os.environ, "PIPELLM_CPU_KERNELS": "0" if config == "pytorch" else "1"}
-    command = [sys.executable, __file__, "--child", config, "--workload", workload]
+def run_child(
+    config: str, workload: str, rnd: int, argv: list[str], llamacpp_python: str
+) -> dict[str, float | str]:
+    engine, env, _ = CONFIGS[config]
+    python = llamacpp_python if engine == "llamacpp" else sys.executable
+    command = [python, __file__, "--child", config, "--workload", workload]
     command += [*argv, "--seed", str(rnd)]
-    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        command, env={**os.environ, **env}, capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        raise SystemExit(
+            f"the {config} child failed (exit {out.returncode}): {' '.join(command)}\n"
+            + out.stderr[-3000:]
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def check_llamacpp(python: str) -> None:
+    """Fails before any measurement if `python` cannot import llama_cpp."""
+    probe = subprocess.run(
+        [python, "-c", "import llama_cpp, numpy"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode != 0:
+        raise SystemExit(
+            f"--llamacpp-python {python}: cannot import llama_cpp and numpy there "
+            f"({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else 'no output'}). "
+            "Install llama-cpp-python==0.3.36 into that Python (bench-only; it builds "
+            "llama.cpp from source, see this script's docstring for the CMake flags)"
+        )
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--workloads", nargs="+", default=["single", "batch"])
+    parser.add_argument(
+        "--workloads", nargs="+", choices=("single", "batch"), default=["single", "batch"]
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--llamacpp-python",
+        default=os.environ.get("PIPELLM_LLAMACPP_PYTHON", sys.executable),
+        help="the Python that has llama-cpp-python (default: $PIPELLM_LLAMACPP_PYTHON, else this "
+        "one)",
+    )
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child = llamacpp_child if args.child == "llamacpp" else pipellm_child
+        child = llamacpp_child if CONFIGS[args.child][0] == "llamacpp" else pipellm_child
         print(json.dumps(child(args)))
         return
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        raise SystemExit(
-            "llama-cpp-python is not installed: pip install llama-cpp-python==0.3.36 "
-            "(bench-only; it builds llama.cpp from source, a few minutes)"
-        ) from None
+    check_llamacpp(args.llamacpp_python)
+    from pipellm.kernels.cpu_kernels import int8_activations_unavailable
+    from pipellm.loader.source import resolve_model
 
+    model = str(resolve_model(None).path)
     argv = ["--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens)]
+    argv += ["--model", model]
+    print(f"model: {model}")
     print(f"load average at start: {os.getloadavg()[0]:.2f} (2 cores: above ~0.5 means noise)")
-    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    results: dict[tuple[str, str], list[dict]] = {}
+    shown_info = False
+    int8 = int8_activations_unavailable() is None
+
+    def configs_for(workload: str) -> list[str]:
+        """pytorch is the prefill reference: one sequence only; int8 where the CPU runs it."""
+        names = [c for c in CONFIGS if int8 or c != "int8"]
+        return names if workload == "single" else [c for c in names if c != "pytorch"]
+
     for workload in args.workloads:
-        configs = list(CONFIGS) if workload == "single" else ["pipellm", "llamacpp"]
+        configs = configs_for(workload)
         for rnd in range(args.rounds):
             for config in configs[rnd % len(configs) :] + configs[: rnd % len(configs)]:
-                r = run_child(config, workload, rnd + args.seed, argv)
+                r = run_child(config, workload, rnd + args.seed, argv, args.llamacpp_python)
+                info = r.pop("system_info", None)
+                if info and not shown_info:
+                    print(f"llama.cpp system info: {info}")
+                    shown_info = True
                 results.setdefault((workload, config), []).append(r)
                 print(f"  {workload} round {rnd} {config:8s} " + json.dumps(r), flush=True)
 
@@ -205,25 +281,34 @@ def main() -> None:
         return statistics.median(r[key] for r in results[(workload, config)])
 
     print(f"\n{args.threads} threads, medians of {args.rounds} rounds")
+
+    def table(workload: str, key: str, unit: str, label: str) -> None:
+        names = [c for c in configs_for(workload) if (workload, c) in results]
+        values = {c: median(workload, c, key) for c in names}
+        print(label)
+        for c in names:
+            ratio = values["llamacpp"] / values[c]
+            extra = f"  ({1e3 / values[c]:.0f} tok/s)" if key == "decode_step_ms" else ""
+            print(f"    {c:9s} {values[c]:8.3f} {unit}{extra}   llama.cpp / this {ratio:.2f}x")
+
     if "single" in args.workloads:
-        tok_s = {c: median("single", c, "decode_tok_s") for c in CONFIGS}
-        ttft = {c: median("single", c, "ttft_s") for c in CONFIGS}
-        print(
-            "one sequence, decode tok/s: "
-            + "  ".join(f"{c} {tok_s[c]:.1f}" for c in CONFIGS)
-            + f"   pipellm/llama.cpp {tok_s['pipellm'] / tok_s['llamacpp']:.2f}x"
+        table(
+            "single",
+            "decode_step_ms",
+            "ms",
+            f"(a) one sequence, decode step after a {PROMPT_LEN}-token prompt "
+            f"({args.decode_tokens} tokens)",
         )
-        print(
-            f"one {PROMPT_LEN}-token prompt, time to first token (s): "
-            + "  ".join(f"{c} {ttft[c]:.3f}" for c in CONFIGS)
-            + f"   llama.cpp/pipellm {ttft['llamacpp'] / ttft['pipellm']:.2f}x,"
-            f" pytorch/pipellm {ttft['pytorch'] / ttft['pipellm']:.2f}x"
-        )
+        table("single", "ttft_s", "s", f"(c) one {PROMPT_LEN}-token prompt, time to first token")
+        if ("single", "pytorch") in results:
+            ours, base = (
+                median("single", "pipellm", "ttft_s"),
+                median("single", "pytorch", "ttft_s"),
+            )
+            print(f"    pytorch / pipellm (kernels) {base / ours:.2f}x")
     if "batch" in args.workloads:
-        ours, theirs = median("batch", "pipellm", "batch_s"), median("batch", "llamacpp", "batch_s")
-        print(
-            f"{BATCH} x ({PROMPT_LEN} + {BATCH_NEW_TOKENS}), whole run (s): pipellm {ours:.2f}  "
-            f"llamacpp {theirs:.2f}   llama.cpp/pipellm {theirs / ours:.2f}x"
+        table(
+            "batch", "batch_s", "s", f"(b) {BATCH} x ({PROMPT_LEN} + {BATCH_NEW_TOKENS}), whole run"
         )
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 

@@ -1,11 +1,11 @@
 """Does a profile measured here predict real runs? `pipellm profile` times this machine's stage
-steps; then bench/pp_scaling.py's workloads run for real (P=1; P=2 without and with balancing;
-at two concurrencies) and are predicted by `pipellm simulate` with that profile. Prints
-throughput, mean TTFT and median TPOT, predicted beside measured, with the error.
+steps; then pipellm/bench/pp_scaling.py's workloads run for real (P=1; P=2 without and
+with balancing; at two concurrencies) and are predicted by `pipellm simulate` with that
+profile. Prints throughput, mean TTFT and median TPOT, predicted beside measured, with the error.
 
 pp_scaling's client is in-process (no HTTP), so the profile's serving delays stay at zero.
 
-  .venv/bin/python bench/sim_fidelity.py [--num-prompts 16 --input-len 512 --output-len 32]
+  .venv/bin/python -m pipellm.bench.sim_fidelity [--num-prompts 16 --input-len 512 --output-len 32]
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import logging
 import tempfile
 from pathlib import Path
 
-from pp_scaling import SETUPS, run_once
-
+from pipellm.bench.pp_scaling import SETUPS, run_once
 from pipellm.config import EngineConfig
 from pipellm.entrypoints.cli import build_parser
 

@@ -5,7 +5,7 @@ The sizes are a layer's all-reduce at decode (1 and 16 rows of SmolLM2's 576) an
 (256 and 2048 rows), float32. The two communicators are timed alternately (shm, gloo, shm,
 gloo ...) in the same two processes; prints the median per call and the ratio.
 
-  .venv/bin/python bench/tp_allreduce.py [--iters 2000 --rounds 4]
+  .venv/bin/python -m pipellm.bench.tp_allreduce [--iters 2000 --rounds 4]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pipellm.executor.net import free_port
+from pipellm.worker.net import free_port
 
 ROWS = (1, 16, 256, 2048)
 HIDDEN = 576

@@ -13,10 +13,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from pipellm.model.gguf_file import open_gguf
+from pipellm.loader.gguf_file import open_gguf
+from pipellm.loader.source import ModelSource
 from pipellm.model.gguf_linear import KERNEL_KINDS, QuantizedWeight
 from pipellm.model.model_config import ModelConfig
-from pipellm.model.source import ModelSource
+from pipellm.model.stage_spec import StageSpec
 from pipellm.model.tp_plan import (
     TensorParallelError,
     TensorParallelPlan,
@@ -68,15 +69,12 @@ _GGUF_GLOBAL_NAMES = {
 def iter_weights(
     source: ModelSource,
     config: ModelConfig,
-    layer_start: int,
-    layer_end: int,
-    is_first: bool,
-    is_last: bool,
+    stage: StageSpec,
     dtype: torch.dtype,
     skip: Container[str] = (),
     shard_of: ShardOf = _whole,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, tensor) for the weights of global layers [layer_start, layer_end).
+    """Yield (Hugging Face name, tensor) for the weights of the stage's layers.
 
     The first stage gets the embedding; the last gets the final norm and lm_head, or, when the
     embeddings are tied, "model.embed_tokens.weight" to use as lm_head. Attention biases are
@@ -85,27 +83,27 @@ def iter_weights(
     With tensor parallelism, `shard_of` names the rows or columns of each tensor this rank
     holds, and only those are read (and dequantized).
     """
-    stage = _Stage(config, layer_start, layer_end, is_first, is_last, skip, shard_of)
+    needed = _Stage(config, stage, skip, shard_of)
     if source.kind == "hf":
-        yield from _iter_safetensors(source.path, stage, dtype)
+        yield from _iter_safetensors(source.path, needed, dtype)
     else:
-        yield from _iter_gguf(source.path, stage, dtype)
+        yield from _iter_gguf(source.path, needed, dtype)
 
 
 @dataclass(frozen=True)
 class _Stage:
+    """The weights one stage reads."""
+
     config: ModelConfig
-    layer_start: int
-    layer_end: int
-    is_first: bool
-    is_last: bool
+    spec: StageSpec
     skip: Container[str] = ()
     shard_of: ShardOf = _whole
 
     def __post_init__(self) -> None:
-        if not 0 <= self.layer_start <= self.layer_end <= self.config.num_hidden_layers:
+        start, end = self.spec.layer_start, self.spec.layer_end
+        if not 0 <= start <= end <= self.config.num_hidden_layers:
             raise ValueError(
-                f"layer range [{self.layer_start}, {self.layer_end}) is outside the model's "
+                f"layer range [{start}, {end}) is outside the model's "
                 f"{self.config.num_hidden_layers} layers"
             )
 
@@ -115,15 +113,16 @@ class _Stage:
         return (name for name in self._all_weight_names(available) if name not in self.skip)
 
     def _all_weight_names(self, available: Container[str]) -> Iterator[str]:
-        if self.is_first or (self.is_last and self.config.tie_word_embeddings):
+        spec = self.spec
+        if spec.is_first or (spec.is_last and self.config.tie_word_embeddings):
             yield "model.embed_tokens.weight"
-        for layer in range(self.layer_start, self.layer_end):
+        for layer in range(spec.layer_start, spec.layer_end):
             prefix = f"model.layers.{layer}."
             yield from (f"{prefix}{part}.weight" for part in _LAYER_WEIGHTS)
             for projection in _BIASED_PROJECTIONS:
                 if f"{prefix}{projection}.bias" in available:
                     yield f"{prefix}{projection}.bias"
-        if self.is_last:
+        if spec.is_last:
             yield "model.norm.weight"
             if not self.config.tie_word_embeddings:
                 yield "lm_head.weight"
@@ -172,19 +171,15 @@ def _safetensors_file_map(folder: Path) -> dict[str, Path]:
 def iter_quantized_weights(
     source: ModelSource,
     config: ModelConfig,
-    layer_start: int,
-    layer_end: int,
-    is_first: bool,
-    is_last: bool,
+    stage: StageSpec,
     shard_of: ShardOf = _whole,
 ) -> Iterator[tuple[str, QuantizedWeight]]:
     """Like iter_weights, but only the GGUF matrices pipellm's quantized kernel takes, in their
     file bytes (rows in Hugging Face order); nothing for a safetensors checkpoint."""
     if source.kind != "gguf":
         return
-    stage = _Stage(config, layer_start, layer_end, is_first, is_last, shard_of=shard_of)
     tensors = _gguf_tensors(source.path)
-    for name in stage.weight_names(tensors):
+    for name in _Stage(config, stage).weight_names(tensors):
         tensor = tensors.get(name)
         if tensor is not None and tensor.tensor_type in KERNEL_KINDS and len(tensor.shape) == 2:
             data = _shard_data(name, tensor, shard_of(name))

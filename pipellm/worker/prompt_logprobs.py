@@ -11,11 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from pipellm.engine.scheduler_output import SchedulerOutput
 from pipellm.model.forward_batch import ForwardBatch
+from pipellm.protocol import Logprobs, SchedulerOutput
 from pipellm.worker.model_runner import RequestState
 
-Logprobs = tuple[float, list[tuple[int, float]]]
 ROWS_PER_SLICE = 128  # bounds the [rows, vocab] logits held at once for long prompt chunks
 
 

@@ -12,7 +12,7 @@ token, in modelled seconds, for:
 against the ideal: the whole prompt's work on all stages (as one chunk each, by the sim's own
 cost model) divided by 8, plus the fill of one chunk (a first N-token chunk through 7 stages).
 
-  .venv/bin/python bench/chunked_pp_sim.py [--prompt-len 32768 --sizes 128,512]
+  .venv/bin/python -m pipellm.bench.chunked_pp_sim [--prompt-len 32768 --sizes 128,512]
 """
 
 from __future__ import annotations
@@ -20,16 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.checkpoints
-
 from pipellm.config import EngineConfig  # noqa: E402
 from pipellm.engine.core import EngineCore  # noqa: E402
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from pipellm.executor.sim import VirtualSimExecutor  # noqa: E402
+from pipellm.protocol import ScheduledRequest, SchedulerOutput  # noqa: E402
 from pipellm.sampling_params import SamplingParams  # noqa: E402
 from pipellm.sim.clock import VirtualClock  # noqa: E402
 from tests.checkpoints import make_tiny_checkpoint  # noqa: E402

@@ -30,13 +30,10 @@ from pipellm.bench.serve import (
     report,
     sample_requests,
 )
+from pipellm.protocol import AddRequest, FromCore, Outputs, Rejected, Shutdown, ToCore
 from pipellm.sim.clock import VirtualClock
 from pipellm.sim.cost import Serving
 
-# The engine process's message kinds (pipellm/engine/core_process.py); that module brings
-# torch, so it is imported only when a simulation runs and `pipellm --help` stays quick.
-ADD, OUTPUTS, REJECTED, SHUTDOWN = "add", "outputs", "rejected", "shutdown"
-Message = tuple[Any, ...]
 EngineRequest = tuple[str, list[int], Any, int]  # (id, prompt ids, SamplingParams, prompt_len)
 
 
@@ -112,27 +109,27 @@ class VirtualClient:
                 heapq.heappush(self._in_transit, (when + self.serving.request_latency_s, i))
         self._client_now = max(self._client_now, until)
 
-    def _arrived(self) -> Message | None:
+    def _arrived(self) -> ToCore | None:
         self._run_client_until(self.clock.now)
         if not (self._in_transit and self._in_transit[0][0] <= self.clock.now):
             return None
         request_id, prompt_ids, params, _ = self.requests[heapq.heappop(self._in_transit)[1]]
-        return (ADD, request_id, prompt_ids, params)
+        return AddRequest(request_id, prompt_ids, params)
 
     # ---- the inbox ---------------------------------------------------------------------------
 
-    def get_nowait(self) -> Message:
+    def get_nowait(self) -> ToCore:
         message = self._arrived()
         if message is None:
             raise queue.Empty
         return message
 
-    def get(self, timeout: float | None = None) -> Message:
+    def get(self, timeout: float | None = None) -> ToCore:
         """The engine is idle: the next request, after waiting for it if need be; SHUTDOWN
         when every request is done."""
         while (message := self._arrived()) is None:
             if not self._unfinished:
-                return (SHUTDOWN,)
+                return Shutdown()
             when = self._next_client_event()[0]
             if self._in_transit:
                 when = min(when, self._in_transit[0][0])
@@ -143,14 +140,14 @@ class VirtualClient:
 
     # ---- the connection ----------------------------------------------------------------------
 
-    def send(self, message: Message) -> None:
+    def send(self, message: FromCore) -> None:
         seen = self.clock.now + self.serving.output_latency_s
-        if message[0] == REJECTED:
-            i = self._index[message[1]]
-            self.outputs[i].error = message[2]
+        if isinstance(message, Rejected):
+            i = self._index[message.request_id]
+            self.outputs[i].error = message.reason
             self._finish(i, seen, success=False)
-        elif message[0] == OUTPUTS:
-            for out in message[1]:
+        elif isinstance(message, Outputs):
+            for out in message.outputs:
                 i = self._index[out.request_id]
                 request = self.outputs[i]
                 request.output_tokens += len(out.new_token_ids)

@@ -9,7 +9,7 @@ alternated A B A B:
          real separate network stacks, but the "wire" is this machine's memory, so a real
          network adds its own latency and bandwidth limit on top (see docs/pipeline.md)
 
-  .venv/bin/python bench/pp_transfer.py [--tokens 4,128,1024 --hidden 576 --iters 200]
+  .venv/bin/python -m pipellm.bench.pp_transfer [--tokens 4,128,1024 --hidden 576 --iters 200]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pipellm.executor.net import LOOPBACK, free_port
+from pipellm.worker.net import LOOPBACK, free_port
 from pipellm.worker.process_group import Rendezvous, join_pipeline_group
 
 WARMUP = 20

@@ -15,8 +15,8 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from pipellm.model.gguf_file import gguf_eos_token_ids, gguf_value, open_gguf
-from pipellm.model.source import ModelSource
+from pipellm.loader.gguf_file import gguf_eos_token_ids, gguf_value, open_gguf
+from pipellm.loader.source import ModelSource
 
 # llama.cpp's `tokenizer.ggml.pre` names whose Hugging Face tokenizers split every digit apart
 # before the GPT-2 byte-level regex (llama.cpp: LLAMA_VOCAB_PRE_TYPE_SMOLLM and kin).

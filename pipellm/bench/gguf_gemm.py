@@ -11,8 +11,8 @@ lowest level. The GEMMs' weight bytes over the median time give the achieved rea
 printed against the machine's read bandwidth at the same threads (`torch.sum` over 512 MB of
 float32, median of 5: a pure read stream).
 
-    .venv/bin/python bench/gguf_gemm.py                       # 1 2 3 4 6 8 16 rows, 2 threads
-    .venv/bin/python bench/gguf_gemm.py --rows 1 16 --threads 1 --levels avx512
+    .venv/bin/python -m pipellm.bench.gguf_gemm             # 1 2 3 4 6 8 16 rows, 2 threads
+    .venv/bin/python -m pipellm.bench.gguf_gemm --rows 1 16 --threads 1 --levels avx512 --no-int8
 """
 
 from __future__ import annotations
@@ -26,22 +26,29 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from pipellm.kernels.cpu_kernels import cpu_kernels_available, ops, supported_levels
-from pipellm.model.gguf_linear import QuantizedLinear, QuantizedWeight
+from pipellm.kernels.cpu_kernels import (
+    cpu_kernels_available,
+    int8_activations_unavailable,
+    ops,
+    supported_levels,
+)
+from pipellm.model.gguf_linear import QuantizedLinear, QuantizedWeight, pack_int8_weight
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer
 LM_HEAD = (49152, 576)
 
 
 def quantized_pair(kind: GGMLQuantizationType, shape: tuple[int, int], seed: int):
-    """(QuantizedLinear, float32 packed weight) of one random weight matrix."""
+    """(QuantizedLinear, float32 packed weight, int8 kernel's packed weight or None) of one
+    random weight matrix."""
     generator = torch.Generator().manual_seed(seed)
     weight = (torch.randn(*shape, generator=generator) * 0.05).numpy()
     blocks = np.ascontiguousarray(quants.quantize(weight, kind))
     dequantized = torch.from_numpy(quants.dequantize(blocks, kind).reshape(shape).copy())
     raw = torch.from_numpy(blocks).view(torch.uint8).reshape(shape[0], -1)
-    linear = QuantizedLinear(QuantizedWeight(kind, raw), None)
-    return linear, ops().pack_linear_weight(dequantized)
+    weight = QuantizedWeight(kind, raw)
+    int8 = pack_int8_weight(weight) if int8_activations_unavailable() is None else None
+    return QuantizedLinear(weight, None), ops().pack_linear_weight(dequantized), int8
 
 
 def read_bandwidth() -> float:
@@ -62,6 +69,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--levels", nargs="+", default=None, help="default: all the CPU runs")
+    parser.add_argument(
+        "--no-int8", action="store_true", help="leave out the int8-activation GEMM (gguf_int8)"
+    )
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("pipellm's CPU kernels are not available here; nothing to compare")
@@ -71,23 +81,25 @@ def main() -> None:
     shapes = [(GGMLQuantizationType.Q4_1, s) for _ in range(args.layers) for s in LAYER_SHAPES]
     shapes.append((GGMLQuantizationType.Q8_0, LM_HEAD))
     pairs = [quantized_pair(kind, shape, seed) for seed, (kind, shape) in enumerate(shapes)]
-    quantized_bytes = sum(linear.packed_weight.numel() for linear, _ in pairs)
-    float_bytes = sum(packed.numel() * 4 for _, packed in pairs)
+    quantized_bytes = sum(linear.packed_weight.numel() for linear, _, _ in pairs)
+    float_bytes = sum(packed.numel() * 4 for _, packed, _ in pairs)
+    int8_bytes = sum(int8.numel() for _, _, int8 in pairs if int8 is not None)
     print(
         f"weights streamed per step: float32 {float_bytes / 1e6:.0f} MB, "
-        f"GGUF blocks as packed {quantized_bytes / 1e6:.0f} MB"
+        f"GGUF blocks as packed {quantized_bytes / 1e6:.0f} MB, "
+        f"as the int8 kernel packs them {int8_bytes / 1e6:.0f} MB"
     )
 
     levels = args.levels or supported_levels()
 
     def float32_step(level: str, x: dict[int, torch.Tensor]) -> None:
         op = ops(level).packed_linear
-        for (_, (out, inp)), (_, packed) in zip(shapes, pairs, strict=True):
+        for (_, (out, inp)), (_, packed, _) in zip(shapes, pairs, strict=True):
             op(x[inp], packed, None, out)
 
     def gguf_step(level: str, x: dict[int, torch.Tensor]) -> None:
         op = ops(level).quantized_linear
-        for linear, _ in pairs:
+        for linear, _, _ in pairs:
             op(
                 x[linear.in_features],
                 linear.packed_weight,
@@ -96,11 +108,18 @@ def main() -> None:
                 linear.out_features,
             )
 
+    def int8_step(level: str, x: dict[int, torch.Tensor]) -> None:
+        op = ops(level).quantized_linear_int8
+        for linear, _, packed in pairs:
+            op(x[linear.in_features], packed, linear.kernel_kind, None, linear.out_features)
+
     steps = {
         f"{kind} {level}": (step, level)
         for kind, step in (("float32", float32_step), ("gguf", gguf_step))
         for level in levels
     }
+    if int8_activations_unavailable() is None and not args.no_int8:
+        steps["gguf_int8 avx512"] = (int8_step, "avx512")
     times = {(name, m): [] for name in steps for m in args.rows}
     inputs = {m: {k: torch.randn(m, k) for k in (576, 1536)} for m in args.rows}
     for rep in range(args.repeats):
@@ -122,6 +141,8 @@ def main() -> None:
         cells = []
         for name, t in medians.items():
             stream = (float_bytes if name.startswith("float32") else quantized_bytes) / t / 1e9
+            if name.startswith("gguf_int8"):
+                stream = int8_bytes / t / 1e9
             cells.append(f"{t * 1e3:6.1f}ms {medians[base] / t:4.2f}x {stream / bandwidth:4.0%}bw")
         print(f"{m:>4} " + " ".join(f"{cell:>22}" for cell in cells))
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

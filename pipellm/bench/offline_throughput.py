@@ -10,9 +10,9 @@ The engines take turns run by run (A B C, B C A, ...) and the report gives media
 load on this shared machine hurts both sides alike. Each repetition draws fresh prompts of the
 same lengths, so pipellm's prefix cache never turns a repeat into a cache hit.
 
-    .venv/bin/python bench/offline_throughput.py                  # 1 and 2 threads, 3 repeats
-    .venv/bin/python bench/offline_throughput.py --threads 2 --repeats 1 --num-prompts 4
-    .venv/bin/python bench/offline_throughput.py --threads 2 --quantization gguf none
+    .venv/bin/python -m pipellm.bench.offline_throughput       # 1 and 2 threads, 3 repeats
+    .venv/bin/python -m pipellm.bench.offline_throughput --threads 2 --repeats 1 --num-prompts 4
+    .venv/bin/python -m pipellm.bench.offline_throughput --threads 2 --quantization gguf none
 
 The built-in model is a GGUF file: by default pipellm computes on its Q4_1/Q8_0 weights as
 stored (bit-identical results, see pipellm/model/gguf_linear.py); `--quantization none` runs
@@ -34,8 +34,9 @@ import torch
 import transformers
 
 from pipellm import LLM, SamplingParams
+from pipellm.loader.weights import iter_weights
 from pipellm.model.model_config import ModelConfig
-from pipellm.model.weights import iter_weights
+from pipellm.model.stage_spec import StageSpec
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def load_transformers_model(llm: LLM) -> transformers.PreTrainedModel:
     config_class = getattr(transformers, config.architecture.replace("ForCausalLM", "Config"))
     hf_config = config_class(**config.hf_config_kwargs())
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    layers = config.num_hidden_layers
-    weights = dict(iter_weights(llm.config.source, config, 0, layers, True, True, torch.float32))
+    stage = StageSpec.whole_model(config.num_hidden_layers)
+    weights = dict(iter_weights(llm.config.source, config, stage, torch.float32))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if config.tie_word_embeddings:
         missing = [name for name in missing if name != "lm_head.weight"]

@@ -1,9 +1,9 @@
-"""The seed's experiment scaled to this machine: does pipeline parallelism run in parallel?
+"""vLLM issue #27462's experiment scaled to this machine: does pipeline parallelism run in parallel?
 
 SmolLM2-135M, max_num_seqs 8, NUM requests of INPUT random tokens -> OUTPUT new tokens, kept
-8 at a time by a closed-loop client (the seed: 4000 -> 32, concurrency 8). Configurations,
+8 at a time by a closed-loop client (vLLM issue #27462: 4000 -> 32, concurrency 8). Configurations,
 run alternately A B C D A B C D ... so machine noise hits all of them alike:
-  (a) P=1, 1 thread          (b) P=2, --no-pp-balance (the seed's "before")
+  (a) P=1, 1 thread          (b) P=2, --no-pp-balance (as vLLM before #27462)
   (c) P=2, balanced          (d) P=1, 2 threads
 Cluster columns, on a real two-host Ray cluster (--two-hosts builds one on this machine: two
 network namespaces joined by a veth pair, a Ray node with 1 CPU in each; root needed), one
@@ -12,8 +12,8 @@ stage per host:
   (t) TP=2 x P=1, 1 thread per rank (tensor parallelism, docs/tensor_parallel.md)
 Prints throughput, mean TTFT and stage idle fraction of each (medians) and the ratios.
 
-  .venv/bin/python bench/pp_scaling.py [--num-prompts 32 --input-len 1024 --output-len 32]
-  .venv/bin/python bench/pp_scaling.py --two-hosts --only cef
+  .venv/bin/python -m pipellm.bench.pp_scaling [--num-prompts 32 --input-len 1024 --output-len 32]
+  .venv/bin/python -m pipellm.bench.pp_scaling --two-hosts --only cef
 
 --single-request: the single-request column instead. One prompt of --single-len random tokens
 -> 1 token, alone in the engine (time to first token is then the prompt's whole prefill):
@@ -24,7 +24,7 @@ close to P=1 with the same two cores; without it the stages take turns. Prints t
 each (median over --repeats, alternating) and (e)/(d), (f)/(d); strong-scaling efficiency is
 (d)/(e).
 
-  .venv/bin/python bench/pp_scaling.py --single-request [--single-len 2048 --repeats 3]
+  .venv/bin/python -m pipellm.bench.pp_scaling --single-request [--single-len 2048 --repeats 3]
 """
 
 from __future__ import annotations

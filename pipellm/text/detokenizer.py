@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipellm.model.tokenizer import Tokenizer
+from pipellm.text.tokenizer import Tokenizer
 
 # How many prompt tokens give the first generated token its context (vLLM uses as many).
 _PROMPT_CONTEXT_TOKENS = 5

@@ -10,7 +10,8 @@ prefix, best of --repeats; then a least-squares fit of
 and attention_slowdown = (b / a) / (4 q_dim / (2 P_layer)). Prints the table, the fit, its
 residuals and what cost-balanced chunks of a 128-token budget look like along a long prompt.
 
-  .venv/bin/python bench/chunk_cost.py [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256]
+  .venv/bin/python -m pipellm.bench.chunk_cost \
+      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256]
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import numpy as np
 
 from pipellm.config import EngineConfig
 from pipellm.engine.chunk_cost import ChunkCostModel
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pipellm.executor.uniproc import UniProcExecutor
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 
 

@@ -1,5 +1,5 @@
 """vLLM issue #27462's 8-GPU result, predicted: `pipellm simulate` with a roofline profile of
-its setup (DeepSeek-R1-0528 in NVFP4, one stage per GPU, bench/profiles/) runs the issue's
+its setup (DeepSeek-R1-0528 in NVFP4, one stage per GPU, pipellm/bench/profiles/) runs the issue's
 own `serve` and `bench serve` command lines, before (--no-pp-balance) and after, and prints the
 prediction beside what the issue measured with the mp backend, with the error.
 
@@ -8,7 +8,7 @@ micro-batch, whole prompts (--pp-microbatch-tokens 32000 lifts pipellm's own 128
 which vLLM does not have); pipellm's default is shown too. The profile's step_overhead_s is
 its one guessed knob, so the prediction is repeated at several values of it.
 
-  .venv/bin/python bench/sim_gpu_prediction.py [--overheads 0.002,0.005,0.01]
+  .venv/bin/python -m pipellm.bench.sim_gpu_prediction [--overheads 0.002,0.005,0.01]
 """
 
 from __future__ import annotations

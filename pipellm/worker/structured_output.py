@@ -22,9 +22,9 @@ import llguidance
 import numpy as np
 import torch
 
-from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from pipellm.model.tokenizer import Tokenizer
+from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
+from pipellm.text.tokenizer import Tokenizer
 
 MAX_COMPILED_GRAMMARS = 128  # distinct constraints kept compiled (least recently used go)
 

@@ -8,8 +8,8 @@ act on every step); the sampler alone on one step's [16, vocab] logits with and 
 rules; and the grammar masks' own time per step inside the JSON runs (computing 16 bitmasks,
 banning the forbidden tokens, advancing the matchers).
 
-    .venv/bin/python bench/sampling_extras.py                 # 3 repeats, 16 x 32 tokens
-    .venv/bin/python bench/sampling_extras.py --repeats 1 --output-len 8
+    .venv/bin/python -m pipellm.bench.sampling_extras                 # 3 repeats, 16 x 32 tokens
+    .venv/bin/python -m pipellm.bench.sampling_extras --repeats 1 --output-len 8
 """
 
 from __future__ import annotations

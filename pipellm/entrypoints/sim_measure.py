@@ -64,7 +64,7 @@ class Sample:
 
 
 def _scheduler_output(chunks: list[tuple[int, int]], ids: itertools.count, block_size: int):
-    from pipellm.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+    from pipellm.protocol import ScheduledRequest, SchedulerOutput
     from pipellm.sampling_params import SamplingParams
 
     requests, next_block = [], 0
@@ -90,14 +90,11 @@ def time_stage(config: Any, stage: int, repeats: int) -> list[Sample]:
     """Median seconds of each grid micro-batch on one stage, built here as its worker would."""
     import torch
 
-    from pipellm.worker.partition import partition_layers
     from pipellm.worker.worker import StageWorker
 
     torch.set_num_threads(config.threads_per_stage)
     worker = StageWorker(config, stage)
-    start, end = partition_layers(
-        config.model_config.num_hidden_layers, config.pipeline_parallel_size
-    )[stage]
+    start, end = worker.stage.layer_start, worker.stage.layer_end
     ids = itertools.count()
     samples = []
     previous: list[str] = []

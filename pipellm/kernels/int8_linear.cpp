@@ -1,0 +1,258 @@
+// y = x W^T + b with W in GGUF Q4_1 or Q8_0 blocks and x rounded to int8 per 32 values, the
+// products summed by AVX-512 VNNI's vpdpbusd (four u8 x s8 products into an int32 lane per
+// instruction): the opt-in `quantization="gguf_int8"` path.
+//
+// Why: the exact path (quantized_linear.cpp) must widen every weight to float32 and run one
+// fused multiply-add per weight and row, so at one or two rows its time is the arithmetic, not
+// the weight stream (measured: a one-row step's GEMMs at ~40% of the read bandwidth). With x
+// in int8, one vpdpbusd takes 64 weights: the step becomes bound by the stream. This is what
+// llama.cpp does on such CPUs (its Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products, ggml-cpu's
+// quants.c): it changes the numerics (x is rounded to 8 bits), so it is never the default;
+// its top-1 agreement with float32 is measured in docs/performance.md.
+//
+// Arithmetic, per 32-value block b of row r of x: dx = max|x| / 127, qx = round(x / dx) in
+// [-127, 127] (nearest, ties to even), sx = sum(qx). Then for a Q4_1 weight block (d, m, q in
+// [0, 15]): sum_k x_k w_k ~ (d dx) sum(q qx) + m (dx sx); for Q8_0 (d, q in [-128, 127]), the
+// quants are stored plus 128 as unsigned bytes (vpdpbusd takes u8 x s8), and
+// sum((q + 128) qx) - 128 sx = sum(q qx) exactly in int32, times (d dx).
+//
+// Layout (made by pipellm/model/gguf_linear.py, pack_int8_weight): per panel of 16 output
+// columns and 32-deep block, one record:
+//   Q4_1: 16 float16 d, 16 float16 m, then 4 x 64 bytes: vector i, byte 4 j + t holds column
+//         j's q at depth 4 i + t (low nibble) and at depth 16 + 4 i + t (high nibble);
+//   Q8_0: 16 float16 d, then 8 x 64 bytes: vector g, byte 4 j + t = column j's q at depth
+//         4 g + t, plus 128.
+// Compiled into the AVX-512 library only, with the VNNI instructions enabled per function:
+// an AVX-512 CPU without VNNI still runs the rest of that library.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include "kernel_library.h"
+
+#include <immintrin.h>
+
+#include "gemm_microkernel.h"
+#include "panel_output.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+
+#if defined(__AVX512F__)
+namespace {
+
+using pipellm_kernels::kPanel;
+using pipellm_kernels::PanelOutput;
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;
+constexpr int64_t kQ4_1Bytes = 2 * kPanel * 2 + kBlock * kPanel / 2;  // 320
+constexpr int64_t kQ8_0Bytes = kPanel * 2 + kBlock * kPanel;          // 544
+constexpr int64_t kRowsChunk = 256;      // rows of x (int8) a thread takes per pass at prefill
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the weight stream
+
+#define PIPELLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// x rounded to int8 per 32-value block, with each block's scale and sums.
+struct QuantizedRows {
+  at::Tensor q;        // int8 [m, depth]
+  at::Tensor scale;    // float [m, blocks]: dx
+  at::Tensor sum;      // int32 [m, blocks]: sum(qx)
+  at::Tensor sum_dx;   // float [m, blocks]: dx * sum(qx), Q4_1's min term
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth) {
+  const int64_t blocks = depth / kBlock;
+  QuantizedRows rows{at::empty({m, depth}, at::kChar), at::empty({m, blocks}, at::kFloat),
+                     at::empty({m, blocks}, at::kInt), at::empty({m, blocks}, at::kFloat)};
+  int8_t* q = rows.q.data_ptr<int8_t>();
+  float* scale = rows.scale.data_ptr<float>();
+  int32_t* sum = rows.sum.data_ptr<int32_t>();
+  float* sum_dx = rows.sum_dx.data_ptr<float>();
+  at::parallel_for(0, m * blocks, 64, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const float* v = x + i * kBlock;  // rows are contiguous: block i of the whole of x
+      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kBlock), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kBlock + 16),
+                       _mm512_cvtsepi32_epi8(qb));
+      const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      scale[i] = d, sum[i] = s, sum_dx[i] = d * static_cast<float>(s);
+    }
+  });
+  return rows;
+}
+
+inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* end) {
+  const uint8_t* ahead = record + kPrefetchBytes;
+  if (ahead + bytes > end) return;  // a prefetch past the weights can cost a page walk
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+}
+
+// Rows [r0, r0 + R) times panels [p0, p0 + NP), whole depth. Weights are unpacked once per
+// group of 4 depths and used by every row; each (row, panel) keeps an int32 sum per block,
+// folded into its float32 output with the block's scales.
+template <int64_t Kind, int R, int NP>
+PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t* wp,
+                             int64_t panel_bytes, int64_t p0, int64_t blocks,
+                             const PanelOutput& y, const uint8_t* end) {
+  constexpr int64_t kBytes = Kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  const int64_t depth = blocks * kBlock;
+  const int8_t* q = xq.q.data_ptr<int8_t>() + r0 * depth;
+  const float* scale = xq.scale.data_ptr<float>() + r0 * blocks;
+  const int32_t* sum = xq.sum.data_ptr<int32_t>() + r0 * blocks;
+  const float* sum_dx = xq.sum_dx.data_ptr<float>() + r0 * blocks;
+  __m512 acc[R][NP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const float* bias = y.bias(p0 + p);
+      acc[r][p] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec[NP];
+    __m512i dot[R][NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
+      prefetch_ahead(rec[p], kBytes, end);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p)
+        // Q8_0's quants are stored + 128: start from -128 sum(qx) to take it back out.
+        dot[r][p] = Kind == kQ4_1 ? _mm512_setzero_si512()
+                                  : _mm512_set1_epi32(-128 * sum[r * blocks + b]);
+    const int8_t* qb = q + b * kBlock;
+    if constexpr (Kind == kQ4_1) {
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          const __m512i packed = _mm512_loadu_si512(rec[p] + 64 + 64 * i);
+          const __m512i lo = _mm512_and_si512(packed, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = qb + r * depth;
+            int32_t x_lo, x_hi;  // 4 int8 of x at depths 4 i.. and 16 + 4 i..
+            __builtin_memcpy(&x_lo, xr + 4 * i, 4);
+            __builtin_memcpy(&x_hi, xr + 16 + 4 * i, 4);
+            dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], lo, _mm512_set1_epi32(x_lo));
+            dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], hi, _mm512_set1_epi32(x_hi));
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          const __m512i w = _mm512_loadu_si512(rec[p] + 32 + 64 * g);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            int32_t xg;
+            __builtin_memcpy(&xg, qb + r * depth + 4 * g, 4);
+            dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], w, _mm512_set1_epi32(xg));
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p])));
+      __m512 mins = _mm512_setzero_ps();
+      if constexpr (Kind == kQ4_1)
+        mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p] + 32)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(scale[r * blocks + b]));
+        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), ddx, acc[r][p]);
+        if constexpr (Kind == kQ4_1)
+          acc[r][p] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sum_dx[r * blocks + b]), acc[r][p]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+      _mm512_storeu_ps(y.dst(p0 + p) + (r0 + r) * y.ld(p0 + p), acc[r][p]);
+}
+
+// Rows a register block takes at most. Panels at once: 4 at one or two rows, where several
+// panels give the core independent chains of vpdpbusd (5 cycles of latency each), else 2.
+constexpr int kMaxRows = 4;
+
+using Int8BlockFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, int64_t, int64_t,
+                             int64_t, const PanelOutput&, const uint8_t*);
+template <int64_t Kind, int R>
+constexpr Int8BlockFn kByPanels[4] = {int8_block<Kind, R, 1>, int8_block<Kind, R, 2>,
+                                      int8_block<Kind, R, 3>, int8_block<Kind, R, 4>};
+// kInt8Block<Kind>[R - 1][NP - 1]
+template <int64_t Kind>
+constexpr const Int8BlockFn* kInt8Block[kMaxRows] = {kByPanels<Kind, 1>, kByPanels<Kind, 2>,
+                                                     kByPanels<Kind, 3>, kByPanels<Kind, 4>};
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni");
+}
+
+at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
+                                 const std::optional<at::Tensor>& bias, int64_t out_features) {
+  static const bool has_vnni = cpu_has_vnni();
+  TORCH_CHECK(has_vnni, "quantized_linear_int8 needs AVX-512 VNNI, which this CPU lacks");
+  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantized_linear_int8: kind 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
+              "quantized_linear_int8: x must be a 2-D float32 CPU tensor");
+  const int64_t bytes = kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == bytes && packed.size(1) * kBlock == input.size(1),
+              "quantized_linear_int8: weight not packed by pack_int8_weight for this "
+              "in_features and kind");
+  const int64_t panels = packed.size(0), m = input.size(0), depth = input.size(1);
+  const at::Tensor x = input.contiguous();
+  PanelOutput y(m, out_features, panels, bias, x.options());
+  if (y.empty()) return y.finish();
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), m, depth);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t panel_bytes = packed.size(1) * bytes, blocks = depth / kBlock;
+  const uint8_t* end = wp + panels * panel_bytes;
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c0 = 0; c0 < m; c0 += kRowsChunk) {
+      const int64_t count = std::min(m, c0 + kRowsChunk) - c0;
+      // Rows in register blocks of near-equal size, at most kMaxRows (5 = 3 + 2, not 4 + 1).
+      const int64_t row_blocks = (count + kMaxRows - 1) / kMaxRows;
+      const int64_t np = count <= 2 ? 4 : 2;  // registers: R x NP int32 and float32 sums
+      for (int64_t p = first; p < last; p += np) {
+        const int64_t n = std::min(np, last - p);
+        for (int64_t i = 0, r = c0; i < row_blocks; ++i) {
+          const int64_t rows = count / row_blocks + (i < count % row_blocks ? 1 : 0);
+          const Int8BlockFn fn = kind == kQ4_1 ? kInt8Block<kQ4_1>[rows - 1][n - 1]
+                                               : kInt8Block<kQ8_0>[rows - 1][n - 1];
+          fn(xq, r, wp, panel_bytes, p, blocks, y, end);
+          r += rows;
+        }
+      }
+    }
+  });
+  return y.finish();
+}
+
+}  // namespace
+
+PIPELLM_LIBRARY_FRAGMENT(m) {
+  m.def("quantized_linear_int8(Tensor x, Tensor packed, int kind, Tensor? bias, "
+        "int out_features) -> Tensor",
+        &quantized_linear_int8);
+}
+#endif  // defined(__AVX512F__)
