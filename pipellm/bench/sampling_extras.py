@@ -23,7 +23,7 @@ import torch
 from pipellm import LLM, SamplingParams
 from pipellm.model.logits_rules import RowRules, TokenCounts
 from pipellm.model.sampler import sample
-from pipellm.model.structured_output import GrammarMasks
+from pipellm.worker.structured_output import GrammarMasks
 
 BATCH = 16
 # A JSON object that cannot be complete within the run (64 strings at least), so that every
