@@ -25,23 +25,11 @@ import time
 PROMPT_LEN = 256
 
 
-def read_bandwidth() -> float:
-    """GB/s of a plain read stream at torch's current thread count."""
-    import torch
-
-    data = torch.ones(128 * 1024 * 1024)  # 512 MB: far beyond any cache
-    times = []
-    for _ in range(5):
-        started = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - started)
-    return data.numel() * 4 / statistics.median(times) / 1e9
-
-
 def child(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
     from pipellm import LLM, SamplingParams
+    from pipellm.bench.gguf_gemm import read_bandwidth
     from pipellm.model.gguf_linear import QuantizedLinear
     from pipellm.model.linear import PackedLinear
 
