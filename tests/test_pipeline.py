@@ -75,6 +75,7 @@ class RecordingExecutor(Executor):
         self.num_stages = num_stages
         self.core: EngineCore | None = None
         self.depths: list[int] = []
+        self.prompt_work: list[bool] = []  # the micro-batch carries prompt tokens
         self.overlaps: list[set[str]] = []  # requests already in an in-flight micro-batch
         self.sampling_overlaps: list[set[str]] = []  # ... in one whose chunk samples
 
@@ -84,6 +85,12 @@ class RecordingExecutor(Executor):
         self.overlaps.append({r.request_id for r in in_flight} & ids)
         self.sampling_overlaps.append({r.request_id for r in in_flight if r.sample} & ids)
         self.depths.append(len(self.core.in_flight) + 1)
+        self.prompt_work.append(
+            any(
+                r.num_output_tokens == 0 or r.num_scheduled_tokens > 1
+                for r in scheduler_output.requests
+            )
+        )
         future: Future[ModelOutput] = Future()
         future.set_result(
             ModelOutput(scheduler_output.micro_batch_id, [7] * scheduler_output.num_sampled)
@@ -155,7 +162,8 @@ def test_one_long_prompt_is_in_every_in_flight_micro_batch_never_two_sampling(tm
 
 def test_async_batch_depth_queues_spare_micro_batches_that_need_no_in_flight_output(tmp_path):
     """pp_async_batch_depth = 1: prompt chunks fill P + 1 slots, while a request whose next
-    step samples (or decodes) still waits for its in-flight micro-batch."""
+    step samples (or decodes) still waits for its in-flight micro-batch, and decodes alone
+    never take the spare slot."""
     directory = make_tiny_checkpoint(tmp_path / "m")
     recorder = run_with_recorder(
         directory, stages=2, balance=True, prompt_len=400, num=1, async_depth=1
@@ -167,6 +175,9 @@ def test_async_batch_depth_queues_spare_micro_batches_that_need_no_in_flight_out
         directory, stages=2, balance=True, prompt_len=40, num=32, async_depth=1
     )
     assert max(busy.depths) == 3 and not any(busy.sampling_overlaps)
+    spare = [work for depth, work in zip(busy.depths, busy.prompt_work, strict=True) if depth == 3]
+    assert spare and all(spare), "a micro-batch of decodes only took the spare slot"
+    assert not all(busy.prompt_work), "decode-only micro-batches were formed (in P slots)"
     plain = run_with_recorder(directory, stages=2, balance=True, prompt_len=400, num=1)
     assert max(plain.depths) == 2, "mp keeps one micro-batch a stage by default"
 
