@@ -5,8 +5,8 @@
 // kernel, which is slow at query length 1. Here each (sequence, KV head) pair is one task that
 // reads its keys and values once, in place, and serves all query heads of its GQA group while
 // they are in L1. Two passes: scores (and an exact softmax over them), then the weighted sum of
-// values. AVX2 + FMA, float32 only; pipellm/kernels/cpu_kernels.py builds it and falls back to
-// SDPA where it cannot.
+// values. Groups may be uneven (`group_starts`, query_groups.h). AVX2 + FMA, float32 only;
+// pipellm/kernels/cpu_kernels.py builds it and falls back to SDPA where it cannot.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include "avx2_math.h"
+#include "query_groups.h"
 
 #include <algorithm>
 #include <cmath>
@@ -132,7 +133,7 @@ AttendFn attend_for(int64_t head_dim) {
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale) {
+                            double scale, at::OptionalIntArrayRef group_starts) {
   for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
                 "paged_decode_attention: float32 CPU tensors only");
@@ -147,8 +148,10 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
               "paged_decode_attention: block_tables and context_lens must be contiguous int64");
   const int64_t seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && heads % kv_heads == 0,
+  TORCH_CHECK(key_cache.size(3) == head_dim,
               "paged_decode_attention: query and cache head shapes do not match");
+  const std::vector<int64_t> starts =
+      pipellm_kernels::query_group_starts(heads, kv_heads, group_starts, "paged_decode_attention");
   TORCH_CHECK(block_tables.size(0) == seqs && context_lens.numel() == seqs,
               "paged_decode_attention: one block table and context length per sequence");
   const AttendFn attend_fn = attend_for(head_dim);
@@ -162,7 +165,6 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
       TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
                   "block id out of range");
   }
-  const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
   const float* q = query.data_ptr<float>();
   const float* k = key_cache.data_ptr<float>();
@@ -172,15 +174,16 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t len = lens[s];
+      const int64_t len = lens[s], group = starts[h + 1] - starts[h];
+      if (group == 0) continue;
       scores.resize(group * ((len + 7) / 8 * 8));
       const CacheView keys{k + h * head_dim, tables + s * max_blocks, block_size, block_stride,
                            token_stride};
       const CacheView values{v + h * head_dim, tables + s * max_blocks, block_size, block_stride,
                              token_stride};
-      attend_fn(q + s * query.stride(0) + h * group * query.stride(1), query.stride(1), group,
+      attend_fn(q + s * query.stride(0) + starts[h] * query.stride(1), query.stride(1), group,
                 keys, values, len, static_cast<float>(scale), scores.data(),
-                o + (s * heads + h * group) * head_dim);
+                o + (s * heads + starts[h]) * head_dim);
     }
   });
 }
@@ -190,6 +193,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()",
+      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale, "
+      "int[]? group_starts=None) -> ()",
       &paged_decode_attention);
 }
