@@ -45,7 +45,7 @@ PREFILL_GRID = [
     [(896, 128)],
     [(0, 512)],
     [(0, 1024)],
-    [(0, 1024), (0, 1024)],
+    [(0, 512)] * 4,  # whole prompts batched, as --no-pp-balance schedules them
     [(1024, 1)] * 4 + [(0, 124)],  # a balanced micro-batch: decodes and a prompt chunk
     [(512, 1)] * 4 + [(256, 124)],  # decodes and a chunk after a cached context
 ]
