@@ -309,8 +309,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(f"timing the {size} stage(s) of P={size}, alone and together ...", flush=True)
         samples[size], together = time_pipeline(config, args.repeats)
-        if together:
+        if size > 1:
             slowdowns[size] = [ratio for _, ratio in together]
+        if together:
             print(f"P={size}, every stage computing at once: each step x{{}} its time alone "
                   "(per grid point and repeat: {})".format(
                       f"{statistics.median(slowdowns[size]):.2f}",
