@@ -71,6 +71,31 @@ def test_kernel_matches_reference(kernel_ops, head_dim, heads, kv_heads):
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, scale))
 
 
+@pytest.mark.parametrize("head_dim", sorted(DECODE_ATTENTION_HEAD_DIMS))
+@pytest.mark.parametrize("lens,heads,kv_heads", [([300], 9, 3), ([5, 70, 129], 4, 1), ([1], 6, 3)])
+def test_few_tasks_split_across_threads_give_identical_results(
+    kernel_ops, head_dim, lens, heads, kv_heads
+):
+    # 3 (sequence, KV head) tasks on 2 threads take the split path (scores by token chunk,
+    # value sums by half of the head dimension); on 1 thread, one task each. Same numbers.
+    k_cache, v_cache, tables = random_paged_cache(lens, 16, kv_heads, head_dim, seed=2)
+    q = torch.randn(len(lens), heads, head_dim) * 2
+    scale = 1 / math.sqrt(head_dim)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(torch.empty(q.shape))
+            kernel_ops.paged_decode_attention(
+                outs[-1], q, k_cache, v_cache, tables, torch.tensor(lens), scale
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], reference(q, k_cache, v_cache, tables, lens, scale))
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 def test_kernel_other_block_sizes(kernel_ops, block_size):
     lens = [3, 33, 100]
