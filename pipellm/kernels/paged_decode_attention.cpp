@@ -5,8 +5,8 @@
 // kernel, which is slow at query length 1. Here each (sequence, KV head) pair is one task that
 // reads its keys and values once, in place, and serves all query heads of its GQA group while
 // they are in L1. Two passes: scores (and an exact softmax over them), then the weighted sum of
-// values. AVX2 + FMA, float32 only; pipellm/kernels/cpu_kernels.py builds it and falls back to
-// SDPA where it cannot.
+// values. Groups may be uneven (`group_starts`, query_groups.h). AVX2 + FMA, float32 only;
+// pipellm/kernels/cpu_kernels.py builds it and falls back to SDPA where it cannot.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include "avx2_math.h"
+#include "query_groups.h"
 
 #include <algorithm>
 #include <cmath>
@@ -177,7 +178,7 @@ bool split_pays(int64_t tasks, int64_t threads) {
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale) {
+                            double scale, at::OptionalIntArrayRef group_starts) {
   for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
                 "paged_decode_attention: float32 CPU tensors only");
@@ -192,8 +193,10 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
               "paged_decode_attention: block_tables and context_lens must be contiguous int64");
   const int64_t seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim && heads % kv_heads == 0,
+  TORCH_CHECK(key_cache.size(3) == head_dim,
               "paged_decode_attention: query and cache head shapes do not match");
+  const std::vector<int64_t> starts =
+      pipellm_kernels::query_group_starts(heads, kv_heads, group_starts, "paged_decode_attention");
   TORCH_CHECK(block_tables.size(0) == seqs && context_lens.numel() == seqs,
               "paged_decode_attention: one block table and context length per sequence");
   const std::optional<HeadDimKernels> fns = kernels_for(head_dim);
@@ -207,7 +210,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
       TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
                   "block id out of range");
   }
-  const int64_t group = heads / kv_heads, tasks = seqs * kv_heads;
+  const int64_t tasks = seqs * kv_heads;
   const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
   const float* q = query.data_ptr<float>();
   const float* k = key_cache.data_ptr<float>();
@@ -223,17 +226,23 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
     return CacheView{v + h * head_dim, tables + s * max_blocks, block_size, block_stride,
                      token_stride};
   };
+  // Task (s, h) serves query heads [starts[h], starts[h + 1]) of sequence s.
+  const auto group_of = [&](int64_t task) {
+    return starts[task % kv_heads + 1] - starts[task % kv_heads];
+  };
+  const auto first_head = [&](int64_t task) { return starts[task % kv_heads]; };
   const auto query_of = [&](int64_t task) {
-    return q + (task / kv_heads) * query.stride(0) + (task % kv_heads) * group * query.stride(1);
+    return q + (task / kv_heads) * query.stride(0) + first_head(task) * query.stride(1);
   };
   const auto out_of = [&](int64_t task) {
-    return o + ((task / kv_heads) * heads + (task % kv_heads) * group) * head_dim;
+    return o + ((task / kv_heads) * heads + first_head(task)) * head_dim;
   };
   if (!split_pays(tasks, at::get_num_threads()) || head_dim % 16 != 0) {
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t len = lens[task / kv_heads];
+        const int64_t len = lens[task / kv_heads], group = group_of(task);
+        if (group == 0) continue;
         scores.resize(group * ((len + 7) / 8 * 8));
         fns->attend(query_of(task), query.stride(1), group, keys_of(task), values_of(task), len,
                     static_cast<float>(scale), scores.data(), out_of(task));
@@ -241,31 +250,34 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
     });
     return;
   }
-  // The split path: every task's scores in one buffer, group rows of `padded` each.
+  // The split path: scores of sequence s, query head i in row s * heads + i, `padded` wide.
   int64_t padded = 0;
   for (int64_t s = 0; s < seqs; ++s) padded = std::max(padded, (lens[s] + 7) / 8 * 8);
   const int64_t chunks = (padded + kChunk - 1) / kChunk;
-  std::vector<float> scores(tasks * group * padded);
-  const auto scores_of = [&](int64_t task) { return scores.data() + task * group * padded; };
+  std::vector<float> scores(seqs * heads * padded);
+  const auto scores_of = [&](int64_t task) {
+    return scores.data() + ((task / kv_heads) * heads + first_head(task)) * padded;
+  };
   at::parallel_for(0, tasks * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t task = item / chunks, first = item % chunks * kChunk;
       const int64_t len = lens[task / kv_heads];
-      if (first < len)
-        fns->score(query_of(task), query.stride(1), group, keys_of(task), first,
+      if (first < len && group_of(task) > 0)
+        fns->score(query_of(task), query.stride(1), group_of(task), keys_of(task), first,
                    std::min(kChunk, len - first), len, padded, scores_of(task));
     }
   });
-  at::parallel_for(0, tasks * group, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, seqs * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row)
-      masked_softmax(scores.data() + row * padded, lens[row / group / kv_heads], padded,
+      masked_softmax(scores.data() + row * padded, lens[row / heads], padded,
                      static_cast<float>(scale));
   });
   at::parallel_for(0, tasks * 2, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t task = item / 2;
-      fns->half_values(group, values_of(task), lens[task / kv_heads], padded, scores_of(task),
-                       item % 2 * (head_dim / 16), out_of(task));
+      if (group_of(task) > 0)
+        fns->half_values(group_of(task), values_of(task), lens[task / kv_heads], padded,
+                         scores_of(task), item % 2 * (head_dim / 16), out_of(task));
     }
   });
 }
@@ -275,6 +287,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
-      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale) -> ()",
+      "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale, "
+      "int[]? group_starts=None) -> ()",
       &paged_decode_attention);
 }
