@@ -11,7 +11,7 @@ from pipellm.kernels.cpu_kernels import (
     cpu_kernels_available,
     why_unavailable,
 )
-from pipellm.model.forward_batch import ForwardBatch
+from pipellm.model.forward_batch import ForwardBatch, PrefillChunk
 
 
 def test_kernels_build_where_they_can():
@@ -191,3 +191,40 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
         assert "compiler exploded" in caplog.text and "WARNING" in caplog.text.upper()
     finally:
         cpu_kernels.cpu_kernels_available.cache_clear()
+
+
+@pytest.mark.usefixtures("kernels")
+def test_uneven_groups_prompt_in_one_chunk_or_two(monkeypatch):
+    """A tensor-parallel rank's uneven query runs (3 + 2 query heads on 2 KV heads) through the
+    prompt paths: one fresh chunk (the kernel, and SDPA without it) and the same prompt's last
+    16 tokens as a continued chunk reading the cache (SDPA with keys repeated per head)."""
+    starts, block_size, length, split = (0, 3, 5), 16, 40, 24
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(length, 5, 64, generator=generator)
+    k, v = (torch.randn(length, 2, 64, generator=generator) for _ in range(2))
+    k_cache, v_cache = torch.zeros(3, block_size, 2, 64), torch.zeros(3, block_size, 2, 64)
+    k_cache.view(-1, 2, 64)[:length], v_cache.view(-1, 2, 64)[:length] = k, v
+
+    def batch(rows: int, chunk: PrefillChunk) -> ForwardBatch:
+        return ForwardBatch(
+            positions=torch.arange(length - rows, length),
+            slot_mapping=torch.arange(length - rows, length),
+            num_decodes=0,
+            decode_block_tables=None,
+            decode_context_lens=None,
+            decode_mask=None,
+            prefills=[chunk],
+            logits_indices=torch.tensor([rows - 1]),
+        )
+
+    whole = batch(length, PrefillChunk(0, length, None, None))
+    mask = torch.arange(length) <= torch.arange(split, length).unsqueeze(1)
+    tail = batch(length - split, PrefillChunk(0, length - split, torch.tensor([0, 1, 2]), mask))
+    kernel = attention.paged_attention(q, k, v, k_cache, v_cache, whole, 0.125, starts)
+    continued = attention.paged_attention(
+        q[split:], k[split:], v[split:], k_cache, v_cache, tail, 0.125, starts
+    )
+    torch.testing.assert_close(continued, kernel[split:])
+    monkeypatch.setattr(attention, "kernels_apply", lambda x: False)
+    sdpa = attention.paged_attention(q, k, v, k_cache, v_cache, whole, 0.125, starts)
+    torch.testing.assert_close(sdpa, kernel)
