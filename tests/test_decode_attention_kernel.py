@@ -43,14 +43,17 @@ def random_paged_cache(lens, block_size, kv_heads, head_dim, seed=0):
     return k_cache, v_cache, torch.tensor(tables)
 
 
-def reference(q, k_cache, v_cache, tables, lens, scale):
-    """Per sequence, in float64: softmax(q K^T * scale) V over its first len tokens."""
+def reference(q, k_cache, v_cache, tables, lens, scale, starts=None):
+    """Per sequence, in float64: softmax(q K^T * scale) V over its first len tokens. `starts`:
+    uneven runs of query heads per KV head (the kernels' group_starts)."""
     out = torch.empty_like(q)
-    group = q.shape[1] // k_cache.shape[2]
+    kv_heads = k_cache.shape[2]
+    even = torch.full((kv_heads,), q.shape[1] // kv_heads)
+    sizes = torch.tensor(starts).diff() if starts else even
     for s, n in enumerate(lens):
         keys = k_cache[tables[s]].flatten(0, 1)[:n].double()  # [n, Hkv, D]
         values = v_cache[tables[s]].flatten(0, 1)[:n].double()
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        keys, values = keys.repeat_interleave(sizes, 1), values.repeat_interleave(sizes, 1)
         scores = torch.einsum("hd,nhd->hn", q[s].double(), keys) * scale
         out[s] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).float()
     return out
@@ -69,6 +72,49 @@ def test_kernel_matches_reference(kernel_ops, head_dim, heads, kv_heads):
     out = torch.empty(q.shape)
     kernel_ops.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), scale)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, scale))
+
+
+@pytest.mark.parametrize("head_dim", sorted(DECODE_ATTENTION_HEAD_DIMS))
+@pytest.mark.parametrize(
+    "lens,starts",
+    [([300], (0, 3, 6, 9)), ([5, 70, 129], (0, 4)), ([1], (0, 2, 4, 6)), ([200], (0, 2, 2, 5))],
+)
+def test_few_tasks_split_across_threads_give_identical_results(kernel_ops, head_dim, lens, starts):
+    # 3 (sequence, KV head) tasks on 2 threads take the split path (scores by token chunk,
+    # value sums by half of the head dimension); on 1 thread, one task each. Same numbers,
+    # uneven query groups (a tensor-parallel rank's, one of them empty) included.
+    kv_heads, heads = len(starts) - 1, starts[-1]
+    k_cache, v_cache, tables = random_paged_cache(lens, 16, kv_heads, head_dim, seed=2)
+    q = torch.randn(len(lens), heads, head_dim) * 2
+    scale = 1 / math.sqrt(head_dim)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(torch.empty(q.shape))
+            kernel_ops.paged_decode_attention(
+                outs[-1], q, k_cache, v_cache, tables, torch.tensor(lens), scale, list(starts)
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    expected = reference(q, k_cache, v_cache, tables, lens, scale, starts)
+    torch.testing.assert_close(outs[1], expected)
+
+
+@pytest.mark.parametrize("starts", [(0, 3, 5), (0, 1, 4), (0, 2, 2, 5)])
+def test_kernel_uneven_groups(kernel_ops, starts):
+    """A tensor-parallel rank's heads: KV head h serves query heads [starts[h], starts[h+1])."""
+    lens = [1, 17, 130]
+    k_cache, v_cache, tables = random_paged_cache(lens, 16, len(starts) - 1, 64, seed=3)
+    q, out = torch.randn(len(lens), starts[-1], 64), torch.empty(len(lens), starts[-1], 64)
+    op = kernel_ops.paged_decode_attention
+    op(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125, list(starts))
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125, starts)
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(RuntimeError, match="group_starts"):
+        op(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125, [0, 1, starts[-1] + 1])
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32])
@@ -97,9 +143,13 @@ def test_kernel_rejects_what_would_read_out_of_bounds(kernel_ops):
 
 
 @pytest.mark.usefixtures("kernels")
-def test_paged_attention_same_with_and_without_kernel(monkeypatch):
-    """A batch of decodes: the kernel path and the block gather + SDPA path agree."""
+@pytest.mark.parametrize("starts", [None, (0, 3, 5)])
+def test_paged_attention_same_with_and_without_kernel(monkeypatch, starts):
+    """A batch of decodes: the kernel path and the block gather + SDPA path agree, with even
+    groups and with a tensor-parallel rank's uneven ones."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    if starts is not None:
+        heads, kv_heads = starts[-1], len(starts) - 1
     lens = [40, 5, 90]  # decodes' contexts, new token included
     k_cache, v_cache, tables = random_paged_cache(lens, block_size, kv_heads, head_dim, seed=2)
     slots = [
@@ -121,9 +171,9 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch):
     k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
     k_cache.view(-1, kv_heads, head_dim)[batch.slot_mapping] = k  # as rotate_and_cache does
     v_cache.view(-1, kv_heads, head_dim)[batch.slot_mapping] = v
-    with_kernel = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125)
+    with_kernel = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125, starts)
     monkeypatch.setattr(attention, "kernels_apply", lambda x: False)
-    without = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125)
+    without = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125, starts)
     torch.testing.assert_close(with_kernel, without)
 
 

@@ -52,3 +52,21 @@ def test_prefill_kernel_rejects_bad_shapes(kernel_ops):
     q, k = torch.randn(8, 4, 32), torch.randn(7, 2, 32)
     with pytest.raises(RuntimeError, match="shapes"):
         kernel_ops.prefill_attention(torch.empty(8, 4, 32), q, k, k, 0.2)
+
+
+# Uneven query heads per KV head, as a tensor-parallel rank holds them (SmolLM2's 9 query / 3
+# KV heads over 2 ranks: query heads 0-4 on KV heads 0-1, query heads 5-8 on KV heads 1-2).
+@pytest.mark.parametrize("starts", [(0, 3, 5), (0, 1, 4), (0, 2, 2, 5)])
+@pytest.mark.parametrize("length", [5, 64, 130])
+def test_prefill_kernel_uneven_groups(kernel_ops, starts, length):
+    heads, kv_heads, head_dim = starts[-1], len(starts) - 1, 64
+    generator = torch.Generator().manual_seed(length)
+    qkv = torch.randn(length, heads + 2 * kv_heads, head_dim, generator=generator) * 2
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    out = torch.empty(length, heads, head_dim)
+    kernel_ops.prefill_attention(out, q, k, v, 0.125, list(starts))
+    kv_of_head = torch.repeat_interleave(torch.arange(kv_heads), torch.tensor(starts).diff())
+    expected = sdpa_causal(q, k[:, kv_of_head], v[:, kv_of_head], 0.125)
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(RuntimeError, match="group_starts"):
+        kernel_ops.prefill_attention(out, q, k, v, 0.125, [0, heads])

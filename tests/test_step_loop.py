@@ -34,10 +34,13 @@ def submit_in_threads(loop: StepLoop, numbers: list[int]) -> dict[int, object]:
 def test_micro_batches_run_in_their_numbered_order_on_one_thread():
     ran: list[tuple[str, str]] = []
     started = []
-    loop = StepLoop(
-        lambda item: ran.append((item, threading.current_thread().name)) or item.upper(),
-        on_start=lambda: started.append(threading.current_thread().name),
-    )
+
+    def run(item: str, following: str | None) -> str:
+        ran.append((item, threading.current_thread().name))
+        time.sleep(0.05)  # the next items arrive meanwhile
+        return item.upper()
+
+    loop = StepLoop(run, on_start=lambda: started.append(threading.current_thread().name))
     results = submit_in_threads(loop, [2, 0, 3, 1])
     assert [item for item, _ in ran] == ["mb0", "mb1", "mb2", "mb3"]
     assert {name for _, name in ran} == {"pipellm-stage-loop"} and started == ["pipellm-stage-loop"]
@@ -49,8 +52,27 @@ def test_micro_batches_run_in_their_numbered_order_on_one_thread():
         loop.submit(4, "late")
 
 
+def test_the_next_micro_batch_is_passed_along_once_it_has_arrived():
+    seen: list[tuple[str, str | None]] = []
+    first_running = threading.Event()
+
+    def run(item: str, following: str | None) -> str:
+        seen.append((item, following))
+        first_running.set()
+        time.sleep(0.1)
+        return item
+
+    loop = StepLoop(run)
+    results = submit_in_threads(loop, [0, 1, 2])  # 1 and 2 arrive while 0 runs
+    assert first_running.is_set() and results == {0: "mb0", 1: "mb1", 2: "mb2"}
+    assert [item for item, _ in seen] == ["mb0", "mb1", "mb2"]
+    # The next one or nothing, never another; 2 arrived while 1 waited behind 0's 0.1 s.
+    assert seen[0][1] in (None, "mb1") and seen[1][1] == "mb2" and seen[2][1] is None
+    loop.close()
+
+
 def test_a_failed_micro_batch_fails_every_later_one_with_its_error():
-    def run(item: str) -> str:
+    def run(item: str, following: str | None) -> str:
         if item == "mb1":
             raise RuntimeError("peer connection reset")
         return item
@@ -64,7 +86,7 @@ def test_a_failed_micro_batch_fails_every_later_one_with_its_error():
 
 
 def test_close_fails_the_micro_batches_still_waiting_for_an_earlier_one():
-    loop = StepLoop(str.upper)
+    loop = StepLoop(lambda item, following: item.upper())
     results: dict[int, object] = {}
 
     def wait_for_five() -> None:

@@ -24,8 +24,8 @@ PROMPTS = [[3 + (i * 7 + j) % 290 for j in range(5 + 9 * i)] for i in range(4)]
 def one_kv_head(tmp_path_factory):
     """Qwen2-shaped (q/k/v biases, split with their heads) with one KV head: with T = 2 both
     ranks hold it and its bias, each with 2 of the 4 query heads. The split where each
-    rank holds its own KV heads runs in test_smollm2 (3 KV heads: 2 + 1) and test_ray_backend
-    (2 KV heads: 1 + 1)."""
+    rank holds its own KV heads runs in test_smollm2 (3 KV heads: 2 + 2, one shared) and
+    test_ray_backend (2 KV heads: 1 + 1)."""
     directory = make_tiny_checkpoint(tmp_path_factory.mktemp("kv1"), arch="qwen2", num_kv_heads=1)
     with LLM(str(directory)) as llm:
         expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
@@ -91,19 +91,36 @@ def test_gguf_ranks_take_whole_blocks():
         return dict(iter_quantized_weights(config.source, mc, stage, shard_of))
 
     whole = layer0()
-    plan = plan_tensor_parallel(mc, 2, 1)  # KV head 2 and query heads 6-8; MLP 768-1535
+    plan = plan_tensor_parallel(mc, 2, 1)  # query heads 5-8, KV heads 1-2; MLP 768-1535
     part = layer0(plan.weight_shard)
     down = "model.layers.0.mlp.down_proj.weight"
     bytes_per_row = whole[down].blocks.shape[1]
     assert torch.equal(part[down].blocks, whole[down].blocks[:, bytes_per_row // 2 :])
     q = "model.layers.0.self_attn.q_proj.weight"
-    assert torch.equal(part[q].blocks, whole[q].blocks[6 * 64 :])
+    assert torch.equal(part[q].blocks, whole[q].blocks[5 * 64 :])
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(part[k].blocks, whole[k].blocks[1 * 64 :])
+
+
+def test_query_heads_split_evenly_with_the_kv_heads_they_use():
+    """SmolLM2's 9 query / 3 KV heads over 2 ranks: 5 + 4 query heads (not 6 + 3 by whole KV
+    groups), KV head 1 on both ranks, and the uneven runs the attention kernels take."""
+    mc = EngineConfig(tensor_parallel_size=2, num_threads=1).model_config
+    ranks = [plan_tensor_parallel(mc, 2, r) for r in range(2)]
+    assert [(p.q_heads, p.kv_heads) for p in ranks] == [((0, 5), (0, 2)), ((5, 9), (1, 3))]
+    assert [p.kv_group_starts for p in ranks] == [(0, 3, 5), (0, 1, 4)]
+    three = [plan_tensor_parallel(mc, 3, r) for r in range(3)]  # whole groups: plain GQA
+    assert [(p.q_heads, p.kv_heads, p.kv_group_starts) for p in three] == [
+        ((0, 3), (0, 1), None),
+        ((3, 6), (1, 2), None),
+        ((6, 9), (2, 3), None),
+    ]
 
 
 def test_wrong_settings_fail_before_any_process_starts(tmp_path, monkeypatch):
     directory = make_tiny_checkpoint(tmp_path)  # 4 query / 2 KV heads, MLP 128, vocab 300
-    with pytest.raises(ConfigError, match="tensor_parallel_size=3 cannot split 4 query heads"):
-        EngineConfig(str(directory), tensor_parallel_size=3, num_threads=1)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=8 cannot split 4 query heads"):
+        EngineConfig(str(directory), tensor_parallel_size=8, num_threads=1)
     mc = EngineConfig(str(directory)).model_config
     with pytest.raises(TensorParallelError, match="intermediate_size 129 is not divisible"):
         plan_tensor_parallel(dataclasses.replace(mc, intermediate_size=129), 2, 0)

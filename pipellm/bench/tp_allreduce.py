@@ -2,8 +2,9 @@
 shared-memory communicator vs gloo, by size, one process per core with 1 thread each.
 
 The sizes are a layer's all-reduce at decode (1 and 16 rows of SmolLM2's 576) and at prefill
-(256 and 2048 rows), float32. The two communicators are timed alternately (shm, gloo, shm,
-gloo ...) in the same two processes; prints the median per call and the ratio.
+(256 and 2048 rows, and 8192: pp_scaling's 8 prompts of 1024 tokens in one step), float32.
+The two communicators are timed alternately (shm, gloo, shm, gloo ...) in the same two
+processes; prints the median per call and the ratio.
 
   .venv/bin/python -m pipellm.bench.tp_allreduce [--iters 2000 --rounds 4]
 """
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from pipellm.worker.net import free_port
 
-ROWS = (1, 16, 256, 2048)
+ROWS = (1, 16, 256, 2048, 8192)
 HIDDEN = 576
 
 

@@ -27,11 +27,17 @@ Result = TypeVar("Result")
 
 
 class StepLoop(Generic[Item, Result]):
-    """Runs `run(item)` for items 0, 1, 2, ... in that order on its own thread, whatever the
-    order they arrive in; `submit` waits for its item's result (or error). After a failure
-    every later item fails with the same error: the stage's state is unknown from then on."""
+    """Runs `run(item, following)` for items 0, 1, 2, ... in that order on its own thread,
+    whatever the order they arrive in; `following` is the next item when it has arrived
+    already (else None), so the stage can receive its inputs ahead. `submit` waits for its
+    item's result (or error). After a failure every later item fails with the same error: the
+    stage's state is unknown from then on."""
 
-    def __init__(self, run: Callable[[Item], Result], on_start: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        run: Callable[[Item, Item | None], Result],
+        on_start: Callable[[], None] | None = None,
+    ):
         self._run, self._on_start = run, on_start
         self._waiting: dict[int, tuple[Item, Future[Result]]] = {}
         self._next = 0
@@ -77,11 +83,12 @@ class StepLoop(Generic[Item, Result]):
                     return
                 item, done = self._waiting.pop(self._next)
                 self._next += 1
+                following = self._waiting.get(self._next, (None, None))[0]
             if self._failure is not None:
                 done.set_exception(self._failure)
                 continue
             try:
-                result = self._run(item)
+                result = self._run(item, following)
             except BaseException as error:  # the caller re-raises it; later items fail too
                 self._failure = error
                 done.set_exception(error)

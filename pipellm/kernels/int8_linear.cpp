@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #if defined(__AVX512F__)
 namespace {
@@ -55,20 +56,31 @@ constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the weight stream
 
 // x rounded to int8 per 32-value block, with each block's scale and sums.
 struct QuantizedRows {
-  at::Tensor q;        // int8 [m, depth]
-  at::Tensor scale;    // float [m, blocks]: dx
-  at::Tensor sum;      // int32 [m, blocks]: sum(qx)
-  at::Tensor sum_dx;   // float [m, blocks]: dx * sum(qx), Q4_1's min term
+  const int8_t* q;       // [m, depth]
+  const float* scale;    // [m, blocks]: dx
+  const int32_t* sum;    // [m, blocks]: sum(qx)
+  const float* sum_dx;   // [m, blocks]: dx * sum(qx), Q4_1's min term
+};
+
+// Kept per calling thread and reused: four tensor allocations a call add up at decode, where
+// a step makes 121 calls of a few tens of microseconds each.
+struct RowsBuffer {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum_dx;
+  std::vector<int32_t> sum;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth) {
   const int64_t blocks = depth / kBlock;
-  QuantizedRows rows{at::empty({m, depth}, at::kChar), at::empty({m, blocks}, at::kFloat),
-                     at::empty({m, blocks}, at::kInt), at::empty({m, blocks}, at::kFloat)};
-  int8_t* q = rows.q.data_ptr<int8_t>();
-  float* scale = rows.scale.data_ptr<float>();
-  int32_t* sum = rows.sum.data_ptr<int32_t>();
-  float* sum_dx = rows.sum_dx.data_ptr<float>();
+  thread_local RowsBuffer buffer;
+  buffer.q.resize(m * depth);
+  buffer.scale.resize(m * blocks);
+  buffer.sum.resize(m * blocks);
+  buffer.sum_dx.resize(m * blocks);
+  int8_t* q = buffer.q.data();
+  float* scale = buffer.scale.data();
+  int32_t* sum = buffer.sum.data();
+  float* sum_dx = buffer.sum_dx.data();
   at::parallel_for(0, m * blocks, 64, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const float* v = x + i * kBlock;  // rows are contiguous: block i of the whole of x
@@ -84,7 +96,7 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth) {
       scale[i] = d, sum[i] = s, sum_dx[i] = d * static_cast<float>(s);
     }
   });
-  return rows;
+  return {q, scale, sum, sum_dx};
 }
 
 inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* end) {
@@ -103,10 +115,10 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
                              const PanelOutput& y, const uint8_t* end) {
   constexpr int64_t kBytes = Kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
   const int64_t depth = blocks * kBlock;
-  const int8_t* q = xq.q.data_ptr<int8_t>() + r0 * depth;
-  const float* scale = xq.scale.data_ptr<float>() + r0 * blocks;
-  const int32_t* sum = xq.sum.data_ptr<int32_t>() + r0 * blocks;
-  const float* sum_dx = xq.sum_dx.data_ptr<float>() + r0 * blocks;
+  const int8_t* q = xq.q + r0 * depth;
+  const float* scale = xq.scale + r0 * blocks;
+  const int32_t* sum = xq.sum + r0 * blocks;
+  const float* sum_dx = xq.sum_dx + r0 * blocks;
   __m512 acc[R][NP];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)

@@ -6,6 +6,10 @@
 // packs the keys and values the block can see into 16-wide panels once, then for each query
 // head of the GQA group computes scores = q K^T (only the panels at or left of the diagonal),
 // an exact masked softmax, and out = P V.
+//
+// Groups may be uneven: `group_starts` (kv_heads + 1 offsets) gives each KV head's run of
+// query heads, e.g. a tensor-parallel rank holding SmolLM2's query heads 0-4 uses KV head 0
+// for 3 of them and KV head 1 for 2 (docs/tensor_parallel.md); without it, H / Hkv each.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -13,9 +17,11 @@
 #include <immintrin.h>
 
 #include "avx2_math.h"
+#include "query_groups.h"
 #include "gemm_microkernel.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -28,7 +34,7 @@ constexpr int64_t kQueryBlock = 64;
 
 // out, q: [L, H, D]; k, v: [L, Hkv, D]; last dims contiguous, other strides free. Causal.
 void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, double scale) {
+                       const at::Tensor& v, double scale, at::OptionalIntArrayRef group_starts) {
   for (const at::Tensor* t : {&out, &q, &k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
                     t->stride(2) == 1,
@@ -36,11 +42,13 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
   const int64_t len = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k.size(1);
   TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(0) == len &&
-                  k.size(2) == head_dim && heads % kv_heads == 0,
+                  k.size(2) == head_dim,
               "prefill_attention: shapes do not match");
+  const std::vector<int64_t> starts =
+      pipellm_kernels::query_group_starts(heads, kv_heads, group_starts, "prefill_attention");
   TORCH_CHECK(head_dim % kPanel == 0, "prefill_attention: head_dim ", head_dim,
               " is not a multiple of 16");
-  const int64_t group = heads / kv_heads, dim_panels = head_dim / kPanel;
+  const int64_t dim_panels = head_dim / kPanel;
   const int64_t blocks = (len + kQueryBlock - 1) / kQueryBlock;
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -71,8 +79,7 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
         for (int64_t c = 0; c < dim_panels; ++c)
           std::copy(vt + c * kPanel, vt + (c + 1) * kPanel, vpk + (c * padded + t) * kPanel);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
+      for (int64_t head = starts[h]; head < starts[h + 1]; ++head) {
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t rows = std::min(kRows, r1 - r);
           const int64_t visible = r + rows;  // keys the last row of this register block sees
@@ -99,6 +106,8 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 }  // namespace
 
 PIPELLM_LIBRARY_FRAGMENT(m) {
-  m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale) -> ()",
-        &prefill_attention);
+  m.def(
+      "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, "
+      "int[]? group_starts=None) -> ()",
+      &prefill_attention);
 }

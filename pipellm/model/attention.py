@@ -55,6 +55,13 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return rows.view(*block_tables.shape[:-1], -1, num_heads, head_dim)
 
 
+def kv_head_of_query(group_starts: tuple[int, ...]) -> torch.Tensor:
+    """Each query head's KV head, from uneven group offsets (see TensorParallelPlan's
+    kv_group_starts): (0, 3, 5) -> [0, 0, 0, 1, 1]."""
+    sizes = torch.tensor(group_starts).diff()
+    return torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -63,14 +70,24 @@ def paged_attention(
     v_cache: torch.Tensor,
     batch: ForwardBatch,
     scale: float,
+    group_starts: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D], already written into their cache slots (see
     rotate_and_cache), so decodes and continued prefills read their whole context from the
-    cache without a concatenation. Returns [T, H, D].
+    cache without a concatenation. Returns [T, H, D]. `group_starts`: uneven runs of query
+    heads per KV head (a tensor-parallel rank's, model/tp_plan.py); None: H / Hkv each.
     """
     num_heads = k.shape[1]
     out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     gqa = q.shape[1] != num_heads
+    # SDPA knows only even groups: with uneven ones its paths get the keys and values
+    # repeated per query head (the kernels read them in place).
+    kv_index = None if group_starts is None else kv_head_of_query(group_starts)
+    starts = None if group_starts is None else list(group_starts)
+
+    def per_query_head(x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x if kv_index is None else x.index_select(dim, kv_index)
+
     nd = batch.num_decodes
     if nd and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS and kernels_apply(q):
         ops().paged_decode_attention(
@@ -81,22 +98,23 @@ def paged_attention(
             batch.decode_block_tables,
             batch.decode_context_lens,
             scale,
+            starts,
         )
     elif nd:
         tables = batch.decode_block_tables
         out[:nd] = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2),  # [D, H, 1, Dh]
-            gather_blocks(k_cache, tables).transpose(1, 2),  # [D, Hkv, L, Dh]
-            gather_blocks(v_cache, tables).transpose(1, 2),
+            per_query_head(gather_blocks(k_cache, tables).transpose(1, 2), 1),  # [D, Hkv, L, Dh]
+            per_query_head(gather_blocks(v_cache, tables).transpose(1, 2), 1),
             attn_mask=batch.decode_mask,
             scale=scale,
-            enable_gqa=gqa,
+            enable_gqa=gqa and kv_index is None,
         ).squeeze(2)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         # The prompt kernel's GEMM step works on 16-wide panels of the head dimension.
         if chunk.block_table is None and q.shape[-1] % 16 == 0 and kernels_apply(q):
-            ops().prefill_attention(out[rows], q[rows], k[rows], v[rows], scale)
+            ops().prefill_attention(out[rows], q[rows], k[rows], v[rows], scale, starts)
             continue
         if chunk.block_table is None:  # nothing cached before: attend to the fresh keys
             keys, values, mask = k[rows], v[rows], None
@@ -109,12 +127,12 @@ def paged_attention(
         out[rows] = (
             F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),  # [1, H, len, Dh]
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
+                per_query_head(keys, 1).transpose(0, 1).unsqueeze(0),
+                per_query_head(values, 1).transpose(0, 1).unsqueeze(0),
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=scale,
-                enable_gqa=gqa,
+                enable_gqa=gqa and kv_index is None,
             )
             .squeeze(0)
             .transpose(0, 1)

@@ -65,6 +65,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = tp.num_heads
         self.num_kv_heads = tp.num_kv_heads
+        self.group_starts = tp.kv_group_starts  # uneven query heads per KV head, or None
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.comm = comm
@@ -88,7 +89,7 @@ class Attention(nn.Module):
         q, k, v = rotate_and_cache(
             qkv, cos_sin, *kv_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads
         )
-        out = paged_attention(q, k, v, *kv_cache, batch, self.scale)
+        out = paged_attention(q, k, v, *kv_cache, batch, self.scale, self.group_starts)
         out = self.o_proj(out.view(t, -1))
         return out if self.comm is None else self.comm.all_reduce_(out)
 

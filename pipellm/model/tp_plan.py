@@ -6,11 +6,15 @@ output columns: its attention heads, its slice of the MLP), o_proj and down_proj
 (each rank multiplies its slice of the input and the partial sums are all-reduced). The
 embedding and lm_head are split by vocabulary (vLLM's VocabParallelEmbedding).
 
-Heads go by key/value groups, so a rank's query heads always share its own key/value heads:
-- T <= KV heads: each rank takes a contiguous run of KV heads (as even as possible; SmolLM2's
-  3 KV heads over 2 ranks give 2 and 1) with all their query heads.
-- T > KV heads: each KV head is replicated on T / KV ranks (as in vLLM), which split its
-  query heads between them; T must then be a multiple of the KV heads and divide the group.
+Query heads split evenly over the ranks (as even as possible: SmolLM2's 9 over 2 ranks give
+5 and 4), and each rank holds the key/value heads its query heads use, so a KV head whose
+group straddles two ranks is on both (SmolLM2: KV head 1 serves query heads 3-5; rank 0 holds
+KV heads 0-1, rank 1 KV heads 1-2). Splitting by whole KV groups instead (6 + 3 query heads)
+left one rank with twice the other's attention while the other waited at the all-reduce
+(docs/benchmarks.md). A rank's runs of query heads per KV head may then differ
+(`kv_group_starts`): the attention kernels take them (pipellm/kernels/query_groups.h).
+With T above the KV heads, each KV head is replicated on the ranks that split its group, as
+in vLLM.
 """
 
 from __future__ import annotations
@@ -59,6 +63,19 @@ class TensorParallelPlan:
     @property
     def num_kv_heads(self) -> int:
         return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def kv_group_starts(self) -> tuple[int, ...] | None:
+        """Offsets of each local KV head's run of local query heads (num_kv_heads + 1), or
+        None where every KV head serves the same number of them (plain grouped-query
+        attention)."""
+        group = self.q_full // self.kv_full
+        first, stop = self.q_heads
+        starts = [0]
+        for kv in range(*self.kv_heads):
+            starts.append(min(stop, (kv + 1) * group) - first)
+        sizes = {b - a for a, b in zip(starts, starts[1:], strict=False)}
+        return None if len(sizes) == 1 else tuple(starts)
 
     @property
     def intermediate_size(self) -> int:
@@ -114,22 +131,13 @@ def plan_tensor_parallel(config: ModelConfig, size: int, rank: int) -> TensorPar
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     group = heads // kv_heads
     fix = "use a tensor_parallel_size that divides it"
-    if size <= kv_heads:
-        kv = _even_ranges(kv_heads, size)[rank]
-        q = (kv[0] * group, kv[1] * group)
-    elif size % kv_heads or group % (size // kv_heads):
+    if size > heads:
         raise TensorParallelError(
-            f"tensor_parallel_size={size} cannot split {heads} query heads over "
-            f"{kv_heads} key/value heads: above the KV heads, it must be a multiple of them "
-            f"that divides each group of {group} query heads; use at most {kv_heads}"
+            f"tensor_parallel_size={size} cannot split {heads} query heads: each rank needs "
+            f"at least one; use at most {heads}"
         )
-    else:
-        replicas = size // kv_heads
-        per_rank = group // replicas
-        kv_head = rank // replicas
-        kv = (kv_head, kv_head + 1)
-        start = kv_head * group + rank % replicas * per_rank
-        q = (start, start + per_rank)
+    q = _even_ranges(heads, size)[rank]
+    kv = (q[0] // group, (q[1] - 1) // group + 1)  # the KV heads of its query heads
     if config.intermediate_size % size:
         raise TensorParallelError(
             f"tensor_parallel_size={size}: the MLP's intermediate_size "
