@@ -85,6 +85,11 @@ class EngineConfig:
     # fixed: prompt chunks of the token budget; cost: sized by a fitted chunk-cost model so
     # that chunks deep into a long prompt shrink and all cost about the same (chunk_cost.py).
     pp_chunk_sizing: str = "fixed"
+    # Micro-batches kept in flight beyond P (SGLang's --pp-async-batch-depth): a stage then
+    # finds its next input waiting when the other stage or the engine's round trip runs late.
+    # None (auto): 1 on the ray backend with P > 1, where stages on other hosts jitter more
+    # and every result goes through Ray to the driver and back (docs/pipeline.md), else 0.
+    pp_async_batch_depth: int | None = None
     num_threads: int | None = None  # torch threads per stage; default: cores divided by stages
     max_cudagraph_capture_size: int | None = None
     trust_remote_code: bool = False
@@ -154,6 +159,7 @@ class EngineConfig:
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
         if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
             _fail("pp_microbatch_tokens", self.pp_microbatch_tokens, "use a positive integer")
+        self._resolve_async_batch_depth()
         if self.num_threads is not None and self.num_threads <= 0:
             _fail("num_threads", self.num_threads, "use a positive integer")
 
@@ -262,6 +268,26 @@ class EngineConfig:
             self.stage(0)  # a bad layer partition fails here, before any stage starts
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+    def _resolve_async_batch_depth(self) -> None:
+        depth = self.pp_async_batch_depth
+        if depth is None:
+            ray_pipeline = self.distributed_executor_backend == "ray"
+            self.pp_async_batch_depth = int(ray_pipeline and self.pipeline_parallel_size > 1)
+            return
+        if not isinstance(depth, int) or depth < 0:
+            _fail("pp_async_batch_depth", depth, "use 0 or a positive integer")
+        if depth > 0 and self.pipeline_parallel_size == 1:
+            _fail(
+                "pp_async_batch_depth",
+                depth,
+                "extra micro-batches in flight need pipeline_parallel_size > 1; use 0",
+            )
+
+    @property
+    def max_micro_batches_in_flight(self) -> int:
+        """P micro-batches, one a stage, plus the extra ones of pp_async_batch_depth."""
+        return self.pipeline_parallel_size + self.pp_async_batch_depth
 
     def _check_cores(self) -> None:
         """T x P processes, each with its own threads: more of them than cores would make

@@ -39,6 +39,8 @@ def tiny(tmp_path_factory):
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5"),
         (dict(pp_microbatch_tokens=0), "pp_microbatch_tokens=0"),
         (dict(pp_chunk_sizing="even"), "pp_chunk_sizing='even'"),
+        (dict(pp_async_batch_depth=-1), "pp_async_batch_depth=-1"),
+        (dict(pp_async_batch_depth=1), "need pipeline_parallel_size > 1"),
         (dict(quantization="awq"), "quantization='awq'"),
         (dict(quantization="gguf"), "needs a .gguf model"),
         (dict(quantization="gguf_int8"), "needs a .gguf model"),
@@ -147,3 +149,17 @@ def test_gpu_only_settings_are_accepted_with_a_warning_and_change_nothing(tiny, 
         gpu = EngineConfig(model=tiny, load_format="dummy", gpu_memory_utilization=0.5)
     assert "gpu_memory_utilization has no effect on CPU" in caplog.text
     assert gpu.num_kv_blocks == plain.num_kv_blocks
+
+
+def test_async_batch_depth_defaults_to_one_spare_micro_batch_on_ray_pipelines_only(tiny):
+    def depth(**settings):
+        config = EngineConfig(model=tiny, **settings)
+        return config.pp_async_batch_depth, config.max_micro_batches_in_flight
+
+    assert depth() == (0, 1)
+    assert depth(pipeline_parallel_size=2) == (0, 2)  # mp
+    assert depth(pipeline_parallel_size=2, distributed_executor_backend="ray") == (1, 3)
+    assert depth(pipeline_parallel_size=2, distributed_executor_backend="sim") == (0, 2)
+    assert depth(pipeline_parallel_size=2, pp_async_batch_depth=2) == (2, 4)
+    explicit = dict(pipeline_parallel_size=2, distributed_executor_backend="ray")
+    assert depth(**explicit, pp_async_batch_depth=0) == (0, 2)

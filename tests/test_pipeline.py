@@ -34,14 +34,24 @@ def six_layers(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "stages, balance, chunked",
-    [(2, True, True), (2, False, True), (3, True, True), (3, True, False), (2, False, False)],
+    "stages, balance, chunked, async_depth",
+    [
+        (2, True, True, None),
+        (2, False, True, None),
+        (3, True, True, None),
+        (3, True, False, None),
+        (2, False, False, None),
+        (2, True, True, 1),  # a spare micro-batch queued at the first stage
+    ],
 )
-def test_same_tokens_at_every_pipeline_size(six_layers, reaped, stages, balance, chunked):
+def test_same_tokens_at_every_pipeline_size(
+    six_layers, reaped, stages, balance, chunked, async_depth
+):
     directory, prompts, expected = six_layers
     engine_args = dict(
         pipeline_parallel_size=stages,
         pp_balance=balance,
+        pp_async_batch_depth=async_depth,
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=32 if chunked else 512,
         max_model_len=512,
@@ -54,6 +64,8 @@ def test_same_tokens_at_every_pipeline_size(six_layers, reaped, stages, balance,
         assert len(summary["stage_busy_fraction"]) == stages
         if balance:
             assert summary["max_queue_depth"] >= 2, "micro-batches overlapped"
+        if async_depth:
+            assert summary["max_queue_depth"] == stages + async_depth
 
 
 class RecordingExecutor(Executor):
@@ -63,6 +75,7 @@ class RecordingExecutor(Executor):
         self.num_stages = num_stages
         self.core: EngineCore | None = None
         self.depths: list[int] = []
+        self.prompt_work: list[bool] = []  # the micro-batch carries prompt tokens
         self.overlaps: list[set[str]] = []  # requests already in an in-flight micro-batch
         self.sampling_overlaps: list[set[str]] = []  # ... in one whose chunk samples
 
@@ -72,6 +85,12 @@ class RecordingExecutor(Executor):
         self.overlaps.append({r.request_id for r in in_flight} & ids)
         self.sampling_overlaps.append({r.request_id for r in in_flight if r.sample} & ids)
         self.depths.append(len(self.core.in_flight) + 1)
+        self.prompt_work.append(
+            any(
+                r.num_output_tokens == 0 or r.num_scheduled_tokens > 1
+                for r in scheduler_output.requests
+            )
+        )
         future: Future[ModelOutput] = Future()
         future.set_result(
             ModelOutput(scheduler_output.micro_batch_id, [7] * scheduler_output.num_sampled)
@@ -86,7 +105,13 @@ class RecordingExecutor(Executor):
 
 
 def run_with_recorder(
-    directory, stages: int, balance: bool, prompt_len: int, num: int, chunked_pipeline=True
+    directory,
+    stages: int,
+    balance: bool,
+    prompt_len: int,
+    num: int,
+    chunked_pipeline=True,
+    async_depth: int | None = None,
 ):
     config = EngineConfig(
         model=str(directory),
@@ -96,6 +121,7 @@ def run_with_recorder(
         pipeline_parallel_size=stages,
         distributed_executor_backend="mp",
         enable_chunked_pipeline=chunked_pipeline,
+        pp_async_batch_depth=async_depth,
     )
     recorder = RecordingExecutor(stages)
     core = EngineCore(config, executor=recorder)
@@ -132,6 +158,28 @@ def test_one_long_prompt_is_in_every_in_flight_micro_batch_never_two_sampling(tm
     assert recorder.core.pipeline_stats.summary()["max_micro_batches_per_request"] == 4
     busy = run_with_recorder(directory, stages=4, balance=True, prompt_len=40, num=32)
     assert max(busy.depths) == 4 and not any(busy.sampling_overlaps)
+
+
+def test_async_batch_depth_queues_spare_micro_batches_that_need_no_in_flight_output(tmp_path):
+    """pp_async_batch_depth = 1: prompt chunks fill P + 1 slots, while a request whose next
+    step samples (or decodes) still waits for its in-flight micro-batch, and decodes alone
+    never take the spare slot."""
+    directory = make_tiny_checkpoint(tmp_path / "m")
+    recorder = run_with_recorder(
+        directory, stages=2, balance=True, prompt_len=400, num=1, async_depth=1
+    )
+    assert max(recorder.depths) == 3
+    assert recorder.core.pipeline_stats.summary()["max_micro_batches_per_request"] == 3
+    assert not any(recorder.sampling_overlaps)
+    busy = run_with_recorder(
+        directory, stages=2, balance=True, prompt_len=40, num=32, async_depth=1
+    )
+    assert max(busy.depths) == 3 and not any(busy.sampling_overlaps)
+    spare = [work for depth, work in zip(busy.depths, busy.prompt_work, strict=True) if depth == 3]
+    assert spare and all(spare), "a micro-batch of decodes only took the spare slot"
+    assert not all(busy.prompt_work), "decode-only micro-batches were formed (in P slots)"
+    plain = run_with_recorder(directory, stages=2, balance=True, prompt_len=400, num=1)
+    assert max(plain.depths) == 2, "mp keeps one micro-batch a stage by default"
 
 
 def test_without_balancing_the_seed_workload_never_overlaps_micro_batches(tmp_path):

@@ -81,3 +81,23 @@ def test_bubbles_tell_waiting_on_the_other_stage_from_overhead(tmp_path):
     assert first.waiting_s == pytest.approx(1.0) and first.overhead_s == pytest.approx(0.1)
     assert second.waiting_s == pytest.approx(0.5) and second.overhead_s == pytest.approx(0.02)
     assert first.span_s == pytest.approx(5.0)
+
+
+def test_bubbles_split_stage_0_waiting_into_later_stages_return_and_engine(tmp_path):
+    records = [
+        # Micro-batch 0 leaves the last stage at 3.0 and reaches the engine at 3.2.
+        MicroBatchRecord(0, 0.0, 3.2, 1, 10, 1, [(0.0, 1.0), (1.05, 3.0)]),
+        MicroBatchRecord(1, 0.0, 3.7, 1, 10, 2, [(1.0, 2.0), (3.0, 3.5)]),
+        # The engine submits micro-batch 2 at 3.3 (0.1 s applying and scheduling); stage 0,
+        # free since 2.0, starts it at 3.4: waited 1.0 on stage 1, 0.2 on the return, 0.1 on
+        # the engine, then 0.1 s delivery overhead.
+        MicroBatchRecord(2, 3.3, 5.5, 1, 10, 2, [(3.4, 4.0), (4.02, 5.0)]),
+    ]
+    trace = tmp_path / "t.json"
+    stats_with(records).write_trace(str(trace))
+    first, second = stage_gaps(trace)
+    assert first.waiting_s == pytest.approx(1.3) and first.overhead_s == pytest.approx(0.1)
+    assert first.on_later_stages_s == pytest.approx(1.0)
+    assert first.return_s == pytest.approx(0.2)
+    assert first.engine_s == pytest.approx(0.1)
+    assert second.on_later_stages_s == second.return_s == second.engine_s == 0.0

@@ -1,5 +1,7 @@
 """The sim backend: real scheduling over modelled stages, fast enough for 8 stages in a test."""
 
+import pytest
+
 from pipellm.config import EngineConfig
 from pipellm.engine.core import EngineCore
 from pipellm.executor.sim import STEP_OVERHEAD_S, cpu_profile
@@ -72,3 +74,38 @@ def test_cost_model_is_a_roofline(tmp_path):
     # Long prefills are compute-bound: twice the tokens, more than twice the work (attention).
     small, large = seconds(first, prefill_batch(4000)), seconds(first, prefill_batch(8000))
     assert large - STEP_OVERHEAD_S > 2 * (small - STEP_OVERHEAD_S)
+
+
+def test_a_shared_machine_without_slowdown_is_a_chain_of_fifo_servers():
+    """_SharedMachine's events with every factor 1 give each step the start and end of FIFO
+    stages (start = max(arrival, stage free), end = start + duration), which the
+    independent-stages path computes directly; with factor 2, overlapping steps stretch."""
+    import random
+
+    from pipellm.executor.sim import _SharedMachine
+
+    rng = random.Random(0)
+    submissions = []
+    now = 0.0
+    for _ in range(40):
+        now += rng.choice([0.0, 0.0, rng.uniform(0, 0.3)])
+        submissions.append((now, [rng.uniform(0.01, 0.2) for _ in range(3)], 0.01))
+    machine = _SharedMachine(3, lambda busy: 1.0)
+    passages = [machine.submit(durations, link, at) for at, durations, link in submissions]
+    machine.run_until_done(passages[-1])
+    free = [0.0] * 3
+    for passage, (at, durations, link) in zip(passages, submissions, strict=True):
+        arrival = at
+        for stage, (start, end) in enumerate(passage.stage_times):
+            expected_start = max(arrival, free[stage])
+            assert (start, end) == pytest.approx(
+                (expected_start, expected_start + durations[stage])
+            )
+            free[stage], arrival = end, end + link
+    # Two stages of equal work started together, each slowed 2x while both compute.
+    machine = _SharedMachine(2, lambda busy: 2.0 if busy > 1 else 1.0)
+    first = machine.submit([0.1, 0.1], 0.0, 0.0)
+    second = machine.submit([0.1, 0.1], 0.0, 0.0)
+    machine.run_until_done(second)
+    assert sum(first.stage_times, ()) == pytest.approx((0.0, 0.1, 0.1, 0.3))
+    assert sum(second.stage_times, ()) == pytest.approx((0.1, 0.3, 0.3, 0.4))

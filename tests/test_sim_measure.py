@@ -61,3 +61,10 @@ def test_profile_command_writes_a_loadable_profile(tmp_path, capsys):
     points = grid(512)  # the tiny model's context leaves out the longest grid points
     assert 0 < len(points) < len(DECODE_GRID + PREFILL_GRID)
     assert len(data["fit"]["samples"]) == 3 * len(points)  # every stage of P=1 and P=2
+    # A fit per P, and P=2's stages timed computing at once: one slowdown per grid point
+    # and repeat, at most (only where the stage that finished first had company throughout,
+    # which a tiny model's millisecond steps may never show).
+    assert set(data["linear_by_stages"]) == {"1", "2"}
+    assert len(data["fit"]["slowdowns"]["2"]) <= len(points)
+    assert data["concurrent_slowdown"][0] == 1.0 and data["concurrent_slowdown"][1] > 0
+    assert set(profile.linear_by_stages) == {1, 2}

@@ -92,6 +92,26 @@ def test_linear_profile_and_its_kv_capacity(tmp_path):
     assert config.num_kv_blocks == 125  # 2000 tokens in blocks of 16
 
 
+def test_a_fit_per_pipeline_size_and_the_concurrent_slowdown(tmp_path):
+    """linear_by_stages[P] replaces `linear` for a pipeline of P stages; concurrent_slowdown
+    gives the factor per number of stages computing at once, its last value beyond."""
+    model = make_word_model(tmp_path / "m", num_layers=4)
+    data = {
+        "cost_model": "linear",
+        "linear": {"step_s": 0.01},
+        "linear_by_stages": {"2": {"step_s": 0.02}},
+        "concurrent_slowdown": [1.0, 1.5, 2.5],
+    }
+    profile = load_profile(write_profile(tmp_path / "p.json", data))
+    assert [c.seconds(batch((0, 1))) for c in profile.stage_costs(model_shape_of(model), 2)] == [
+        0.02,
+        0.02,
+    ]
+    assert profile.stage_costs(model_shape_of(model), 4)[0].seconds(batch((0, 1))) == 0.01
+    assert [profile.slowdown(k) for k in (1, 2, 3, 4)] == [1.0, 1.5, 2.5, 2.5]
+    assert profile.stages_interfere
+
+
 def model_shape_of(model: Path) -> dict:
     return json.loads((model / "config.json").read_text())
 
@@ -105,6 +125,18 @@ def model_shape_of(model: Path) -> dict:
         ({"cost_model": "linear", "linear": {"step_s": -1}}, "linear.step_s must be a number"),
         ({"cost_model": "roofline", "hardware": {"flops_per_s": 1}}, "bytes_per_s"),
         ({"cost_model": "linear", "linear": {}, "hardware": {}}, "unknown field(s) ['hardware']"),
+        (
+            {"cost_model": "linear", "linear": {}, "linear_by_stages": {"two": {}}},
+            "linear_by_stages must be an object keyed by pipeline size",
+        ),
+        (
+            {"cost_model": "linear", "linear": {}, "linear_by_stages": {"2": {"step": 1}}},
+            "linear_by_stages.2: unknown field(s) ['step']",
+        ),
+        (
+            {"cost_model": "linear", "linear": {}, "concurrent_slowdown": [1, 0]},
+            "concurrent_slowdown must be a list of numbers > 0",
+        ),
     ],
 )
 def test_malformed_profiles_name_the_field(tmp_path, profile, message):

@@ -14,11 +14,12 @@ from tests.sim_models import make_word_model, write_profile
 STEP_S = 0.1  # every stage, every micro-batch
 
 
-def simulate(tmp_path, *flags: str) -> dict:
+def simulate(tmp_path, *flags: str, slowdown: list[float] | None = None) -> dict:
     model = make_word_model(tmp_path / "model")
-    profile = write_profile(
-        tmp_path / "const.json", {"cost_model": "linear", "linear": {"step_s": STEP_S}}
-    )
+    const = {"cost_model": "linear", "linear": {"step_s": STEP_S}}
+    if slowdown is not None:
+        const["concurrent_slowdown"] = slowdown
+    profile = write_profile(tmp_path / "const.json", const)
     argv = ["simulate", str(model), "--sim-profile", profile, "--random-input-len", "32"]
     argv += ["--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
     args = build_parser().parse_args([*argv, *flags])
@@ -40,6 +41,21 @@ def test_two_stages_two_requests_by_hand(tmp_path):
     assert r["duration"] == pytest.approx(0.9)
     assert r["mean_tpot_ms"] == pytest.approx(200.0)
     assert r["request_throughput"] == pytest.approx(2 / 0.9)
+
+
+def test_stages_that_slow_each_other_down_by_hand(tmp_path):
+    """The workload above on stages that share a machine: two stages computing at once each
+    take twice as long (concurrent_slowdown [1, 2]). Prefill A alone on stage 0 [0, 0.1];
+    then A on stage 1 and B on stage 0 together, both [0.1, 0.3]; B on stage 1 and A's first
+    decode on stage 0 together [0.3, 0.5]; and so on, two steps at once every 0.2 s, so A's
+    tokens land at 0.3, 0.7, 1.1, 1.5 and B's at 0.5, 0.9, 1.3; B's last decode then has
+    stage 1 to itself, [1.5, 1.6]."""
+    flags = ["-pp", "2", "--max-num-seqs", "2", "--num-prompts", "2", "--max-concurrency", "2"]
+    r = simulate(tmp_path, *flags, "--random-output-len", "4", slowdown=[1.0, 2.0])
+    assert r["ttfts"] == pytest.approx([0.3, 0.5])
+    assert r["e2els"] == pytest.approx([1.5, 1.6])
+    assert [gap for gaps in r["itls"] for gap in gaps] == pytest.approx([0.4] * 5 + [0.3])
+    assert r["duration"] == pytest.approx(1.6)
 
 
 def test_unbalanced_pipeline_by_hand(tmp_path):

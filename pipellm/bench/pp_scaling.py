@@ -5,10 +5,12 @@ SmolLM2-135M, max_num_seqs 8, NUM requests of INPUT random tokens -> OUTPUT new 
 run alternately A B C D A B C D ... so machine noise hits all of them alike:
   (a) P=1, 1 thread          (b) P=2, --no-pp-balance (as vLLM before #27462)
   (c) P=2, balanced          (d) P=1, 2 threads
+  (g) as (c) with --pp-async-batch-depth 1: a spare micro-batch queued at the first stage
 Cluster columns, on a real two-host Ray cluster (--two-hosts builds one on this machine: two
 network namespaces joined by a veth pair, a Ray node with 1 CPU in each; root needed), one
 stage per host:
   (e) P=2 across hosts, balanced    (f) P=2 across hosts, --no-pp-balance
+  (h) as (e) with --pp-async-batch-depth 0: one micro-batch a stage in flight, no spare
   (t) TP=2 x P=1, 1 thread per rank (tensor parallelism, docs/tensor_parallel.md)
 Prints throughput, mean TTFT and stage idle fraction of each (medians) and the ratios.
 
@@ -62,7 +64,15 @@ SETUPS = [
         "f: 2 hosts, no balance",
         dict(pipeline_parallel_size=2, num_threads=1, pp_balance=False, **ON_CLUSTER),
     ),
+    Setup(
+        "g: P=2, balanced, depth 1",
+        dict(pipeline_parallel_size=2, num_threads=1, pp_async_batch_depth=1),
+    ),
     Setup("t: TP=2, 1 thread each", dict(tensor_parallel_size=2, num_threads=1)),
+    Setup(
+        "h: 2 hosts, balanced, depth 0",
+        dict(pipeline_parallel_size=2, num_threads=1, pp_async_batch_depth=0, **ON_CLUSTER),
+    ),
 ]
 
 SINGLE_SETUPS = [
@@ -297,7 +307,18 @@ def main() -> None:
             f"{median(label, 'median_tpot_s') * 1e3:8.1f} {' '.join(f'{x:.1%}' for x in idle):>14s}"
         )
     labels = {s.label[0]: s.label for s in setups}
-    pairs = (("c", "b"), ("c", "a"), ("c", "d"), ("e", "f"), ("e", "c"), ("t", "d"), ("t", "c"))
+    pairs = (
+        ("c", "b"),
+        ("c", "a"),
+        ("c", "d"),
+        ("g", "c"),
+        ("e", "f"),
+        ("e", "c"),
+        ("e", "h"),
+        ("h", "f"),
+        ("t", "d"),
+        ("t", "c"),
+    )
     for num, den in pairs:
         if num in labels and den in labels:
             ratio = median(labels[num], "total_tok_s") / median(labels[den], "total_tok_s")

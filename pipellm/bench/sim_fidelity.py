@@ -6,6 +6,7 @@ profile. Prints throughput, mean TTFT and median TPOT, predicted beside measured
 pp_scaling's client is in-process (no HTTP), so the profile's serving delays stay at zero.
 
   .venv/bin/python -m pipellm.bench.sim_fidelity [--num-prompts 16 --input-len 512 --output-len 32]
+  .venv/bin/python -m pipellm.bench.sim_fidelity --profile P.json --concurrencies 4 --setups ab
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -27,6 +29,20 @@ METRICS = (
     ("mean_ttft_s", "mean_ttft_ms", 1000.0, "mean TTFT ms"),
     ("median_tpot_s", "median_tpot_ms", 1000.0, "median TPOT ms"),
 )
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds every process of this machine has used since boot (/proc/stat: user, nice,
+    system, irq, softirq), and this process's share with its reaped children (os.times)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    ticks = sum(int(fields[i]) for i in (0, 1, 2, 5, 6))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def predict(setup_args: dict, args: argparse.Namespace, concurrency: int, profile: str) -> dict:
@@ -55,6 +71,9 @@ def main() -> None:
         "--pp-microbatch-tokens", type=int, default=EngineConfig.pp_microbatch_tokens
     )
     parser.add_argument("--profile", help="use this profile instead of measuring one")
+    parser.add_argument(
+        "--setups", default="abc", help="pp_scaling's mp setups to run (default %(default)s)"
+    )
     parser.add_argument("--out", default=None, help="results folder (default: a temp dir)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -67,12 +86,19 @@ def main() -> None:
         parsed = build_parser().parse_args(argv)
         parsed.func(parsed)
     # (a) P=1, (b) P=2 --no-pp-balance, (c) P=2 balanced: the mp backend, 1 thread per stage.
-    setups = [s for s in SETUPS if s.label[0] in "abc"]
+    if not set(args.setups) <= set("abc"):
+        parser.error(f"--setups: only pp_scaling's mp setups a, b and c, got {args.setups!r}")
+    setups = [s for s in SETUPS if s.label[0] in args.setups]
     rows = []
     for concurrency in [int(c) for c in args.concurrencies.split(",")]:
         args.concurrency = concurrency
         for setup in setups:
+            machine, own = machine_cpu_seconds(), own_cpu_seconds()
             measured = run_once(setup, args, None)
+            # A real run is only as good as the quiet around it: CPU that other processes
+            # took meanwhile (cpulock bench keeps the project's tests out, not everything).
+            foreign = (machine_cpu_seconds() - machine) - (own_cpu_seconds() - own)
+            measured["foreign_cpu_s"] = foreign
             predicted = predict(setup.engine_args, args, concurrency, profile)
             rows.append((setup.label, concurrency, measured, predicted))
             print(
@@ -85,13 +111,15 @@ def main() -> None:
             )
             print(
                 "    micro-batches {}, stage busy s {}, duration s {:.2f}; predicted {}, {}, "
-                "{:.2f}".format(
+                "{:.2f}; other processes' CPU meanwhile {:.1f} s, load average {:.2f}".format(
                     measured["pipeline"]["num_micro_batches"],
                     [round(b, 2) for b in measured["pipeline"]["stage_busy_s"]],
                     measured["duration_s"],
                     predicted["pipeline"]["num_micro_batches"],
                     [round(b, 2) for b in predicted["pipeline"]["stage_busy_s"]],
                     predicted["duration"],
+                    foreign,
+                    os.getloadavg()[0],
                 ),
                 flush=True,
             )

@@ -113,6 +113,7 @@ class PipelineStats:
                 "queue": r.queue_depth,
                 "request_spread": r.request_spread,
                 "submitted_us": (r.submitted - origin) * 1e6,  # when the engine sent it
+                "done_us": (r.done - origin) * 1e6,  # when its output reached the engine
             }
             for stage, (start, end) in enumerate(r.stage_times):
                 events.append(

@@ -98,6 +98,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_prompt_work(self) -> bool:
+        """Whether the next micro-batch could carry prompt tokens: a running request's next
+        prompt chunk, or a waiting request with room to admit it."""
+        if any(r.num_tokens - r.num_computed_tokens > 1 for r in self._ready_running()):
+            return True
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
     # ---- forming a micro-batch -----------------------------------------------------------
 
     def _preempt(self, request: Request) -> None:

@@ -105,6 +105,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "in flight, so one long prompt keeps every stage busy (chunked pipeline parallelism)",
     )
     g.add_argument(
+        "--pp-async-batch-depth",
+        type=int,
+        help="micro-batches kept in flight beyond one a stage, waiting at the first stage so "
+        "that a late stage or a slow round trip leaves no stage idle (as SGLang's flag of this "
+        "name); default: 1 with --distributed-executor-backend ray and -pp > 1, else 0",
+    )
+    g.add_argument(
         "--pp-chunk-sizing",
         choices=["fixed", "cost"],
         default="fixed",

@@ -40,12 +40,14 @@ PREFILL_GRID = [
     [(0, 16)],
     [(0, 64)],
     [(0, 128)],
+    [(256, 128)],
     [(512, 128)],
     [(896, 128)],
     [(0, 512)],
     [(0, 1024)],
-    [(0, 1024), (0, 1024)],
+    [(0, 512)] * 4,  # whole prompts batched, as --no-pp-balance schedules them
     [(1024, 1)] * 4 + [(0, 124)],  # a balanced micro-batch: decodes and a prompt chunk
+    [(512, 1)] * 4 + [(256, 124)],  # decodes and a chunk after a cached context
 ]
 
 
@@ -89,33 +91,120 @@ def _scheduler_output(chunks: list[tuple[int, int]], ids: itertools.count, block
     return SchedulerOutput(0, requests)
 
 
-def time_stage(config: Any, stage: int, repeats: int) -> list[Sample]:
-    """Median seconds of each grid micro-batch on one stage, built here as its worker would."""
+def _stage_process(config: Any, stage: int, repeats: int, barrier: Any, conn: Any) -> None:
+    """One stage of a P-stage pipeline, built in its own process as its mp worker builds it,
+    timing every grid micro-batch alone (the other stages wait at the barrier) and with all P
+    stages computing at once (as the mp backend's stages do when the pipeline is full)."""
+    try:
+        conn.send(_time_stage(config, stage, repeats, barrier))
+    except BaseException as error:  # the parent reports it; the barrier frees the others
+        barrier.abort()
+        conn.send(error)
+    finally:
+        conn.close()
+
+
+def _time_stage(config: Any, stage: int, repeats: int, barrier: Any) -> dict[str, Any]:
     import torch
 
     from pipellm.worker.worker import StageWorker
 
     torch.set_num_threads(config.threads_per_stage)
     worker = StageWorker(config, stage)
-    start, end = worker.stage.layer_start, worker.stage.layer_end
+    num_stages = config.pipeline_parallel_size
     ids = itertools.count()
-    samples = []
     previous: list[str] = []
+    points = []
+
+    def run(chunks: list[tuple[int, int]]) -> tuple[float, float, BatchShape]:
+        nonlocal previous
+        output = _scheduler_output(chunks, ids, config.block_size)
+        output.freed_request_ids, previous = previous, [r.request_id for r in output.requests]
+        hidden = None
+        if not worker.is_first:
+            hidden = torch.randn(output.num_tokens, config.model_config.hidden_size)
+        started = time.perf_counter()  # CLOCK_MONOTONIC: comparable across the processes
+        worker.execute(output, hidden)
+        return started, time.perf_counter(), BatchShape.of(output)
+
     for chunks in grid(config.max_model_len):
-        times = []
-        for _ in range(repeats + 1):  # the first run warms caches and allocations up
-            output = _scheduler_output(chunks, ids, config.block_size)
-            output.freed_request_ids, previous = previous, [r.request_id for r in output.requests]
-            hidden = None
-            if not worker.is_first:
-                hidden = torch.randn(output.num_tokens, config.model_config.hidden_size)
-            started = time.perf_counter()
-            worker.execute(output, hidden)
-            times.append(time.perf_counter() - started)
-        samples.append(
-            Sample(end - start, worker.is_last, BatchShape.of(output), statistics.median(times[1:]))
+        barrier.wait()
+        run(chunks)  # warms caches and allocations up, all stages at once
+        alone, together = [], []
+        for _ in range(repeats):
+            for turn in range(num_stages):  # alone: one stage at a time
+                barrier.wait()
+                if turn == stage:
+                    started, ended, batch = run(chunks)
+                    alone.append(ended - started)
+                barrier.wait()
+            if num_stages > 1:  # together: every stage at once
+                barrier.wait()
+                started, ended, batch = run(chunks)
+                together.append((started, ended))
+                barrier.wait()
+        points.append({"batch": batch, "alone": alone, "together": together})
+    layers = worker.stage.layer_end - worker.stage.layer_start
+    return {"layers": layers, "is_last": worker.is_last, "points": points}
+
+
+def time_pipeline(config: Any, repeats: int) -> tuple[list[Sample], list[tuple[BatchShape, float]]]:
+    """Every stage of config's pipeline in its own process: each grid point's median time
+    alone (the samples the linear model is fitted to), and the slowdown of each repeat when
+    all P stages compute at once (empty at P = 1).
+
+    A slowdown is measured on the stage that finished first among those started together: it
+    computed with all P stages busy throughout, so its time together over its median time
+    alone is the rate at which P concurrent stages progress (docs/simulation.md)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # as the mp backend starts its stages
+    size = config.pipeline_parallel_size
+    barrier = context.Barrier(size, timeout=600)
+    pipes = [context.Pipe(duplex=False) for _ in range(size)]
+    processes = [
+        context.Process(
+            target=_stage_process,
+            args=(config, stage, repeats, barrier, pipes[stage][1]),
+            name=f"pipellm-profile-{stage}",
+            daemon=True,
         )
-    return samples
+        for stage in range(size)
+    ]
+    results: list[Any] = []
+    try:
+        for process in processes:
+            process.start()
+        for stage, (receiver, sender) in enumerate(pipes):
+            sender.close()  # so a stage that dies unheard ends recv() with EOFError
+            try:
+                results.append(receiver.recv())
+            except EOFError:
+                raise RuntimeError(f"timing stage {stage} of {size}: its process died") from None
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    for stage, result in enumerate(results):
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"timing stage {stage} of {size} failed: {result!r}") from result
+    samples = [
+        Sample(r["layers"], r["is_last"], point["batch"], statistics.median(point["alone"]))
+        for r in results
+        for point in r["points"]
+    ]
+    slowdowns = []
+    for index in range(len(results[0]["points"])):
+        per_stage = [(r["points"][index], r) for r in results]
+        for repeat in range(len(per_stage[0][0]["together"])):
+            runs = [(p["together"][repeat], statistics.median(p["alone"])) for p, _ in per_stage]
+            (started, ended), alone = min(runs, key=lambda run: run[0][1])
+            if all(other_started <= started + 0.1 * (ended - started)
+                   for (other_started, _), _ in runs):  # fmt: skip
+                slowdowns.append((per_stage[0][0]["batch"], (ended - started) / alone))
+    return samples, slowdowns
 
 
 def fit(samples: list[Sample]) -> tuple[LinearCoefficients, list[float]]:
@@ -179,11 +268,37 @@ def engine_seconds_per_step(config: Any) -> float:
     return elapsed / steps
 
 
+def _print_fit(title: str, samples: list[Sample], errors: list[float]) -> None:
+    print(f"{title}:")
+    print(f"{'stage layers':>12s} {'last':>5s} {'tokens':>7s} {'rows':>5s} {'context':>8s} "
+          f"{'measured ms':>12s} {'fitted ms':>10s} {'error':>7s}")  # fmt: skip
+    for s, e in zip(samples, errors, strict=True):
+        print(
+            f"{s.num_layers:12d} {s.is_last!s:>5s} {s.batch.num_tokens:7d} "
+            f"{s.batch.num_requests:5d} {s.batch.context_tokens:8d} {s.seconds * 1e3:12.2f} "
+            f"{s.seconds * (1 + e) * 1e3:10.2f} {e:+7.1%}"
+        )
+    abs_errors = [abs(e) for e in errors]
+    print(f"fit error: mean {statistics.mean(abs_errors):.1%}, max {max(abs_errors):.1%}")
+
+
+def slowdown_factors(by_size: dict[int, list[float]]) -> list[float]:
+    """concurrent_slowdown[k - 1] for k = 1 .. the largest P timed: the median slowdown
+    measured with P = k stages computing at once (1 for k = 1; a k not timed takes the
+    factor of the largest k below it)."""
+    factors = [1.0]
+    for k in range(2, max(by_size, default=1) + 1):
+        ratios = by_size.get(k)
+        factors.append(statistics.median(ratios) if ratios else factors[-1])
+    return factors
+
+
 def profile(args: argparse.Namespace) -> dict[str, Any]:
     from pipellm.config import EngineConfig
 
     sizes = [int(p) for p in args.pipeline_parallel_sizes.split(",")]
-    samples: list[Sample] = []
+    samples: dict[int, list[Sample]] = {}
+    slowdowns: dict[int, list[float]] = {}
     for size in sizes:
         config = EngineConfig(
             model=args.model,
@@ -192,27 +307,38 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
         )
-        for stage in range(size):
-            print(f"timing stage {stage} of {size} ...", flush=True)
-            samples += time_stage(config, stage, args.repeats)
-    coefficients, errors = fit(samples)
-    print(f"{'stage layers':>12s} {'last':>5s} {'tokens':>7s} {'rows':>5s} {'measured ms':>12s} "
-          f"{'fitted ms':>10s} {'error':>7s}")  # fmt: skip
-    for s, e in zip(samples, errors, strict=True):
-        print(
-            f"{s.num_layers:12d} {s.is_last!s:>5s} {s.batch.num_tokens:7d} "
-            f"{s.batch.num_requests:5d} {s.seconds * 1e3:12.2f} "
-            f"{s.seconds * (1 + e) * 1e3:10.2f} {e:+7.1%}"
-        )
-    abs_errors = [abs(e) for e in errors]
-    print(f"fit error: mean {statistics.mean(abs_errors):.1%}, max {max(abs_errors):.1%}")
+        print(f"timing the {size} stage(s) of P={size}, alone and together ...", flush=True)
+        samples[size], together = time_pipeline(config, args.repeats)
+        if size > 1:
+            slowdowns[size] = [ratio for _, ratio in together]
+        if together:
+            print(f"P={size}, every stage computing at once: each step x{{}} its time alone "
+                  "(per grid point and repeat: {})".format(
+                      f"{statistics.median(slowdowns[size]):.2f}",
+                      " ".join(f"{r:.2f}" for r in slowdowns[size])))  # fmt: skip
+    everything = [s for size in sizes for s in samples[size]]
+    coefficients, errors = fit(everything)
+    _print_fit(f"one fit over P = {args.pipeline_parallel_sizes}", everything, errors)
+    # Per P: a stage's cost per layer depends on how many layers it holds (at P = 1 this
+    # machine's 30-layer stage's prompt chunks ran 22-38% above the joint fit while the
+    # 15-layer stages' fitted), so each P timed gets its own fit, which the sim prefers.
+    by_size = {}
+    for size in sizes:
+        by_size[size], size_errors = fit(samples[size])
+        _print_fit(f"P={size} alone", samples[size], size_errors)
+    factors = slowdown_factors(slowdowns)
+    print("concurrent_slowdown (k stages computing at once, k = 1, 2, ...): " +
+          ", ".join(f"{f:.2f}" for f in factors))  # fmt: skip
     dispatch = engine_seconds_per_step(config)
     print(f"engine loop: {dispatch * 1e3:.2f} ms per micro-batch (link.dispatch_s)")
     machine = platform.processor() or platform.machine()
+    abs_errors = [abs(e) for e in errors]
     result = {
         "description": f"measured by pipellm profile on {machine}",
         "cost_model": "linear",
         "linear": asdict(coefficients),
+        "linear_by_stages": {str(size): asdict(c) for size, c in by_size.items()},
+        "concurrent_slowdown": factors,
         "link": {"dispatch_s": dispatch},
         "measured_on": {
             "model": config.model_name,
@@ -223,15 +349,18 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "fit": {
             "mean_abs_error": statistics.mean(abs_errors),
             "max_abs_error": max(abs_errors),
+            "slowdowns": {str(size): ratios for size, ratios in slowdowns.items()},
             "samples": [
                 {
+                    "pipeline_parallel_size": size,
                     "layers": s.num_layers,
                     "last_stage": s.is_last,
                     **asdict(s.batch),
                     "measured_s": s.seconds,
                     "fitted_s": s.seconds * (1 + e),
                 }
-                for s, e in zip(samples, errors, strict=True)
+                for size in sizes
+                for s, e in zip(samples[size], fit(samples[size])[1], strict=True)
             ],
         },
     }

@@ -16,7 +16,8 @@ class Executor(ABC):
     """Runs micro-batches through the pipeline stages.
 
     `submit` must not wait for the micro-batch to finish: the engine keeps up to P
-    (pipeline_parallel_size) micro-batches in flight. Futures complete in submission order.
+    (pipeline_parallel_size) micro-batches in flight, plus pp_async_batch_depth spare ones
+    that queue at the first stage. Futures complete in submission order.
     """
 
     @abstractmethod

@@ -189,6 +189,9 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+_NOT_YET = object()  # the engine has not sent the next schedule yet
+
+
 def stage_main(
     config: EngineConfig, rank: int, port: int, conn: Connection, parent_pid: int
 ) -> None:
@@ -203,10 +206,17 @@ def stage_main(
         conn.send(StageFailed(traceback.format_exc()))
         return
     try:
-        while (scheduler_output := pickle.loads(conn.recv_bytes())) is not None:
-            output = stage.step(scheduler_output)
+        scheduler_output = pickle.loads(conn.recv_bytes())
+        while scheduler_output is not None:
+            # The next schedule, if the engine sent it already: the stage receives its inputs
+            # while it computes this one (PipelineStage._prefetch).
+            following = pickle.loads(conn.recv_bytes()) if conn.poll() else _NOT_YET
+            output = stage.step(scheduler_output, following if following is not _NOT_YET else None)
             if output is not None:
                 conn.send(output)
+            if following is _NOT_YET:
+                following = pickle.loads(conn.recv_bytes())
+            scheduler_output = following
         stage.close()
     except BaseException:
         try:

@@ -3,10 +3,11 @@
 One actor per rank: with tensor parallelism T, each stage's T ranks are T actors (ranks
 numbered stage-major, as in the mp backend), each in its own placement-group bundle, a stage's
 bundles on one host where the cluster allows, so its all-reduces go through shared memory.
-Ray carries each SchedulerOutput to every actor (actor calls run in submission order);
-hidden states go stage to stage over torch.distributed as in the mp backend, and the last
-stage's rank 0 returns the micro-batch's ModelOutput. Which Ray, and where each rank runs,
-is ray_cluster's business. Startup, in phases that each fail fast and name the rank and host:
+Ray carries each SchedulerOutput, numbered, to every actor, whose own loop runs them in that
+order (step_loop.py); hidden states go stage to stage over torch.distributed as in the mp
+backend, and the last stage's rank 0 returns the micro-batch's ModelOutput. Which Ray, and
+where each rank runs, is ray_cluster's business. Startup, in phases that each fail fast and
+name the rank and host:
   1. every actor checks that its host can open the model and says where it runs;
   2. the first stage opens the rendezvous on its own host's address (loopback when all stages
      share one host) and the others join it;
@@ -37,13 +38,14 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 300.0
 CLOCK_SAMPLES = 5
-DIAGNOSE_TIMEOUT_S = 3.0  # a live stage answers a ping queued behind failing steps
+DIAGNOSE_TIMEOUT_S = 3.0  # a live stage answers a ping on a spare thread, beside its steps
 # An idle stage answers a ping in about a millisecond; Linux's scheduler runs every runnable
 # thread within tens of milliseconds even with dozens competing for 2 cores (CFS: about 3 ms
 # per runnable thread), so 5 s unanswered while nothing is in flight means a stage whose host
 # is gone, cut off or frozen, never a busy one. Ray itself takes 15-25 s to declare such a
 # host dead (its node health check), or forever for a frozen stage process.
 IDLE_PING_TIMEOUT_S = 5.0
+SPARE_ACTOR_THREADS = 4  # a stage actor's threads beyond its step calls: pings, clock reads
 
 
 class RayExecutor(RemoteStagesExecutor):
@@ -58,6 +60,10 @@ class RayExecutor(RemoteStagesExecutor):
         self._pending = PendingOutputs()
         self._closed = False
         self._failing, self._failed = threading.Lock(), False
+        self._submitted = 0  # micro-batches numbered from 0, the order every stage runs them in
+        self._arrived: dict[int, ModelOutput] = {}  # outputs that overtook an earlier one
+        self._delivered = 0
+        self._delivering = threading.Lock()
         self.actors: list[Any] = []
         self._held = _Held(ray_cluster.connect(self.num_ranks))
         # Stop the stages and a private Ray even if the owner forgets to call shutdown().
@@ -74,6 +80,9 @@ class RayExecutor(RemoteStagesExecutor):
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
                 max_restarts=0,
+                # Every in-flight micro-batch's step call waits on its own Ray thread while
+                # the stage's loop computes (step_loop.py); pings and clock reads need more.
+                max_concurrency=config.max_micro_batches_in_flight + SPARE_ACTOR_THREADS,
             )(StageActor)
             self.actors = [
                 actor_class.options(
@@ -156,11 +165,12 @@ class RayExecutor(RemoteStagesExecutor):
         if future.done():
             return future
         self._idle_since = None  # the ping round now races steps: stop timing it
-        refs = [actor.step.remote(scheduler_output) for actor in self.actors]
+        number, self._submitted = self._submitted, self._submitted + 1
+        refs = [actor.step.remote(number, scheduler_output) for actor in self.actors]
         for rank, ref in enumerate(refs):
             if rank != self.output_rank:
                 ref.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
-        refs[self.output_rank].future().add_done_callback(self._deliver)
+        refs[self.output_rank].future().add_done_callback(partial(self._deliver, number))
         return future
 
     def _check(self, done: Future[Any], rank: int) -> None:
@@ -191,7 +201,7 @@ class RayExecutor(RemoteStagesExecutor):
                 gone.append(f"{self._name(rank)} ({self._where(rank)}) is gone: {_cause(error)}")
         self._pending.fail("; ".join([reason, *gone]))
 
-    def _deliver(self, done: Future[Any]) -> None:
+    def _deliver(self, number: int, done: Future[Any]) -> None:
         if done.exception() is not None:
             self._check(done, self.output_rank)
             return
@@ -203,14 +213,21 @@ class RayExecutor(RemoteStagesExecutor):
             (start - offset, end - offset)
             for (start, end), offset in zip(output.stage_times, offsets, strict=True)
         ]
-        self._pending.resolve_oldest(output)
+        # The last stage finishes micro-batches in order, but Ray may run the callbacks of two
+        # results that finish close together in either order: deliver them in order.
+        with self._delivering:
+            self._arrived[number] = output
+            while self._delivered in self._arrived:
+                self._pending.resolve_oldest(self._arrived.pop(self._delivered))
+                self._delivered += 1
 
     def check_health(self) -> None:
         """Raises if a stage failed; pings every stage, so a stage whose host died while the
-        engine is idle (when the engine calls this) is noticed, too. A ping queues behind the
-        stage's steps, so none is sent while earlier pings are unanswered, and a round is
-        timed only while no micro-batch is in flight: unanswered for IDLE_PING_TIMEOUT_S, it
-        fails the executor naming the silent stages, long before Ray gives up on their host."""
+        engine is idle (when the engine calls this) is noticed, too. A ping is answered by
+        one of the actor's spare threads, beside its steps; none is sent while earlier pings
+        are unanswered, and a round is timed only while no micro-batch is in flight (its
+        host's cores are then free): unanswered for IDLE_PING_TIMEOUT_S, it fails the
+        executor naming the silent stages, long before Ray gives up on their host."""
         self._raise_if_dead()
         now = time.monotonic()
         if all(ping.done() for ping in self._pings):

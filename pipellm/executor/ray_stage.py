@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from pipellm.config import EngineConfig
+from pipellm.executor.step_loop import StepLoop
 from pipellm.loader.registry import find_preset
 from pipellm.loader.source import ModelNotFoundError, resolve_model
 from pipellm.protocol import ModelOutput, SchedulerOutput
@@ -50,7 +51,8 @@ def config_for_this_host(config: EngineConfig, address: str) -> EngineConfig:
 
 class StageActor:
     """One pipeline stage, or one tensor-parallel rank of it, as a Ray actor (made remote by
-    the executor, with its resources)."""
+    the executor, with its resources and a `max_concurrency` above the micro-batches in
+    flight): `step` calls hand micro-batches to the stage's own loop (step_loop.py)."""
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
         import ray
@@ -59,6 +61,7 @@ class StageActor:
         self.address = ray.util.get_node_ip_address()
         self.listener: socket.socket | None = None
         self.stage = None
+        self.loop: StepLoop[SchedulerOutput, ModelOutput | None] | None = None
 
     def locate(self) -> StageLocation:
         import ray
@@ -78,12 +81,16 @@ class StageActor:
         return self.listener.getsockname()[:2]
 
     def start(self, host: str, port: int, one_host: bool) -> None:
+        import torch
+
         from pipellm.worker.pipeline_stage import PipelineStage
         from pipellm.worker.process_group import Rendezvous
 
         local = LOOPBACK if one_host else self.address
         rendezvous = Rendezvous(host, port, local)
         self.stage = PipelineStage(self.config, self.rank, rendezvous, self.listener)
+        threads = self.config.threads_per_stage
+        self.loop = StepLoop(self.stage.step, on_start=lambda: torch.set_num_threads(threads))
 
     def clock(self) -> float:
         return time.time()
@@ -96,5 +103,6 @@ class StageActor:
         comm = self.stage.comm if self.stage is not None else None
         return None if comm is None else type(comm).__name__
 
-    def step(self, scheduler_output: SchedulerOutput) -> ModelOutput | None:
-        return self.stage.step(scheduler_output)
+    def step(self, number: int, scheduler_output: SchedulerOutput) -> ModelOutput | None:
+        """Micro-batch `number` (the executor counts from 0) through this stage; waits for it."""
+        return self.loop.submit(number, scheduler_output)

@@ -133,18 +133,33 @@ class RooflineStageCost:
             tuple((count, layer) for layer, count in groups.items()),
         )
 
-    def seconds(self, batch: BatchShape) -> float:
+    @cached_property
+    def _per_tokens(self) -> dict[int, tuple[float, float]]:
+        """Memo: a micro-batch size's GEMM seconds and bytes read that do not depend on its
+        requests (weights, experts touched, lm_head). Sizes repeat (every decode step of one
+        request has 1 token), so each is worked out once."""
+        return {}
+
+    def _token_terms(self, tokens: int) -> tuple[float, float]:
         hw, p = self.hw, self.precision
-        tokens = batch.num_tokens
-        gemm_per_token, flops_per_pair, dense_params, kv_elements, expert_groups = self._sums
+        gemm_per_token, _, dense_params, _, expert_groups = self._sums
         params_read = dense_params + sum(
             count * layer.expected_experts_touched(tokens) * layer.expert_params
             for count, layer in expert_groups
         )
-        gemm_flops = tokens * gemm_per_token + 2 * batch.num_sampled * self.head_params
         bytes_read = params_read * p.weight_bytes + self.head_params * p.head_bytes
+        return tokens * gemm_per_token / hw.flops_per_s, bytes_read
+
+    def seconds(self, batch: BatchShape) -> float:
+        hw, p = self.hw, self.precision
+        memo = self._per_tokens
+        terms = memo.get(batch.num_tokens)
+        if terms is None:
+            terms = memo[batch.num_tokens] = self._token_terms(batch.num_tokens)
+        compute, bytes_read = terms
+        _, flops_per_pair, _, kv_elements, _ = self._sums
+        compute += 2 * batch.num_sampled * self.head_params / hw.flops_per_s
         bytes_read += kv_elements * batch.context_tokens * p.kv_bytes
-        compute = gemm_flops / hw.flops_per_s
         compute += (
             flops_per_pair * batch.attention_pairs / (hw.attention_flops_per_s or hw.flops_per_s)
         )

@@ -25,7 +25,7 @@ from pipellm.sim.cost import (
     Serving,
     StageCost,
 )
-from pipellm.sim.shapes import BatchShape, model_shape
+from pipellm.sim.shapes import model_shape
 
 COST_MODELS = ("roofline", "linear")
 # Keys a profile may hold beyond its sections; free-form notes for readers.
@@ -46,7 +46,25 @@ class Profile:
     hardware: Hardware | None = None  # roofline
     precision: Precision | None = None  # roofline
     linear: LinearCoefficients | None = None  # linear
+    # linear: fits for one pipeline size each (`pipellm profile` fits every P it times on
+    # its own); a pipeline of a size listed here uses that fit instead of `linear`.
+    linear_by_stages: dict[int, LinearCoefficients] | None = None
+    # concurrent_slowdown[k - 1]: how many times longer a stage step takes while k stages
+    # compute at once (stages sharing one machine's cores and memory bandwidth; measured by
+    # `pipellm profile`). Beyond the list, its last value. Empty: stages never interfere.
+    concurrent_slowdown: tuple[float, ...] = ()
     description: str = ""
+
+    def slowdown(self, busy_stages: int) -> float:
+        """The factor by which each of `busy_stages` stages computing at once is slowed."""
+        factors = self.concurrent_slowdown
+        if not factors or busy_stages <= 1:
+            return 1.0
+        return factors[min(busy_stages, len(factors)) - 1]
+
+    @property
+    def stages_interfere(self) -> bool:
+        return any(f != 1.0 for f in self.concurrent_slowdown)
 
     # ---- costs -----------------------------------------------------------------------------
 
@@ -55,7 +73,8 @@ class Profile:
         cfg = self.model or served_model
         stages = stage_specs(cfg["num_hidden_layers"], num_stages)
         if self.linear is not None:
-            return [LinearStageCost(s.num_layers, s.is_last, self.linear) for s in stages]
+            coefficients = (self.linear_by_stages or {}).get(num_stages, self.linear)
+            return [LinearStageCost(s.num_layers, s.is_last, coefficients) for s in stages]
         assert self.hardware is not None and self.precision is not None
         shape = model_shape(cfg)
         return [
@@ -68,13 +87,12 @@ class Profile:
             for s in stages
         ]
 
-    def link_seconds(self, batch: BatchShape, served_model: dict[str, Any]) -> float:
-        """Time for a micro-batch's hidden states to reach the next stage."""
+    def link_terms(self, served_model: dict[str, Any]) -> tuple[float, float]:
+        """(latency, seconds per token) of the link between consecutive stages: a
+        micro-batch's hidden states reach the next stage latency + tokens x that later."""
         hidden = (self.model or served_model)["hidden_size"]
         activation_bytes = self.precision.activation_bytes if self.precision else 4.0
-        return self.link.latency_s + batch.num_tokens * hidden * activation_bytes / (
-            self.link.bytes_per_s
-        )
+        return self.link.latency_s, hidden * activation_bytes / self.link.bytes_per_s
 
     def kv_capacity(self, served_model: dict[str, Any], num_stages: int) -> int | None:
         """Tokens of KV cache the pipeline holds: stated, or what the fullest stage's device
@@ -121,7 +139,8 @@ def profile_from_dict(data: Any, base_dir: Path = Path(".")) -> Profile:
     if kind not in COST_MODELS:
         raise ProfileError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {kind!r}")
     sections = {"cost_model", "link", "serving", "kv_capacity_tokens", "model"}
-    sections |= {"hardware", "precision"} if kind == "roofline" else {"linear"}
+    sections.add("concurrent_slowdown")
+    sections |= {"hardware", "precision"} if kind == "roofline" else {"linear", "linear_by_stages"}
     unknown = sorted(set(data) - sections - NOTE_KEYS)
     if unknown:
         raise ProfileError(f"unknown field(s) {unknown} for cost_model {kind!r}")
@@ -140,8 +159,17 @@ def profile_from_dict(data: Any, base_dir: Path = Path(".")) -> Profile:
     capacity = data.get("kv_capacity_tokens")
     if capacity is not None and (not isinstance(capacity, int) or capacity <= 0):
         raise ProfileError(f"kv_capacity_tokens must be a positive integer, got {capacity!r}")
+    slowdown = data.get("concurrent_slowdown", [])
+    if not isinstance(slowdown, list) or not all(
+        isinstance(f, int | float) and f > 0 for f in slowdown
+    ):
+        raise ProfileError(
+            "concurrent_slowdown must be a list of numbers > 0 (the slowdown with 1, 2, ... "
+            f"stages computing at once), got {slowdown!r}"
+        )
     profile = Profile(
         cost_model=kind,
+        concurrent_slowdown=tuple(float(f) for f in slowdown),
         link=_section(data, "link", Link, required=False),
         serving=_section(data, "serving", Serving, required=False),
         kv_capacity_tokens=capacity,
@@ -150,7 +178,21 @@ def profile_from_dict(data: Any, base_dir: Path = Path(".")) -> Profile:
     )
     if kind == "linear":
         linear = _section(data, "linear", LinearCoefficients, required=True)
-        return Profile(**{**_as_kwargs(profile), "linear": linear})
+        by_stages = data.get("linear_by_stages", {})
+        if not isinstance(by_stages, dict) or not all(
+            key.isdigit() and int(key) > 0 for key in by_stages
+        ):
+            raise ProfileError(
+                "linear_by_stages must be an object keyed by pipeline size ('1', '2', ...), "
+                f"got {by_stages!r}"
+            )
+        fits = {
+            int(key): _section(
+                by_stages, key, LinearCoefficients, required=True, name=f"linear_by_stages.{key}"
+            )
+            for key in by_stages
+        }
+        return Profile(**{**_as_kwargs(profile), "linear": linear, "linear_by_stages": fits})
     hardware = _section(data, "hardware", Hardware, required=True)
     if hardware.flops_per_s <= 0 or hardware.bytes_per_s <= 0:
         raise ProfileError("hardware: flops_per_s and bytes_per_s must be positive")
@@ -162,8 +204,12 @@ def _as_kwargs(profile: Profile) -> dict[str, Any]:
     return {f.name: getattr(profile, f.name) for f in fields(profile)}
 
 
-def _section(data: dict[str, Any], name: str, cls: type, required: bool) -> Any:
-    section = data.get(name)
+def _section(
+    data: dict[str, Any], key: str, cls: type, required: bool, name: str | None = None
+) -> Any:
+    """data[key] as a cls; errors call it `name` (default: key)."""
+    section = data.get(key)
+    name = name or key
     if section is None:
         if required:
             raise ProfileError(f"the {name!r} section is missing")
