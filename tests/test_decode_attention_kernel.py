@@ -74,35 +74,6 @@ def test_kernel_matches_reference(kernel_ops, head_dim, heads, kv_heads):
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, scale))
 
 
-@pytest.mark.parametrize("head_dim", sorted(DECODE_ATTENTION_HEAD_DIMS))
-@pytest.mark.parametrize(
-    "lens,starts",
-    [([300], (0, 3, 6, 9)), ([5, 70, 129], (0, 4)), ([1], (0, 2, 4, 6)), ([200], (0, 2, 2, 5))],
-)
-def test_few_tasks_split_across_threads_give_identical_results(kernel_ops, head_dim, lens, starts):
-    # 3 (sequence, KV head) tasks on 2 threads take the split path (scores by token chunk,
-    # value sums by half of the head dimension); on 1 thread, one task each. Same numbers,
-    # uneven query groups (a tensor-parallel rank's, one of them empty) included.
-    kv_heads, heads = len(starts) - 1, starts[-1]
-    k_cache, v_cache, tables = random_paged_cache(lens, 16, kv_heads, head_dim, seed=2)
-    q = torch.randn(len(lens), heads, head_dim) * 2
-    scale = 1 / math.sqrt(head_dim)
-    outs = []
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            outs.append(torch.empty(q.shape))
-            kernel_ops.paged_decode_attention(
-                outs[-1], q, k_cache, v_cache, tables, torch.tensor(lens), scale, list(starts)
-            )
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
-    expected = reference(q, k_cache, v_cache, tables, lens, scale, starts)
-    torch.testing.assert_close(outs[1], expected)
-
-
 @pytest.mark.parametrize("starts", [(0, 3, 5), (0, 1, 4), (0, 2, 2, 5)])
 def test_kernel_uneven_groups(kernel_ops, starts):
     """A tensor-parallel rank's heads: KV head h serves query heads [starts[h], starts[h+1])."""

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <vector>
 
 namespace {
@@ -65,112 +64,68 @@ struct CacheView {
   }
 };
 
-// Scores of `group` query heads of head_dim 8 * V against the keys of tokens [first, first +
-// n) (n <= kChunk), unscaled, into scores[g * padded + t]. Each score is its own dot product,
-// so any split of the tokens gives the same numbers.
+// One sequence and KV head: `group` query heads of head_dim 8 * V, `len` cached tokens.
+// scores: scratch of group * round_up(len, 8) floats.
 template <int V>
-void score_chunk(const float* query, int64_t query_head_stride, int64_t group,
-                 const CacheView& keys, int64_t first, int64_t n, int64_t len, int64_t padded,
-                 float* scores) {
+void attend(const float* query, int64_t query_head_stride, int64_t group, const CacheView& keys,
+            const CacheView& values, int64_t len, float scale, float* scores, float* out) {
+  constexpr int64_t D = 8 * V;
+  const int64_t padded = (len + 7) / 8 * 8;
   const float* rows[kChunk];
-  keys.rows(first, n, rows);
-  if (first + n < len) keys.prefetch(first + n, std::min(kChunk, len - first - n), 8 * V);
-  for (int64_t g = 0; g < group; ++g) {
-    __m256 q[V];
-    for (int j = 0; j < V; ++j) q[j] = _mm256_loadu_ps(query + g * query_head_stride + j * 8);
-    for (int64_t i = 0; i < n; i += 8) {
-      __m256 dots[8];
-      for (int u = 0; u < 8; ++u) {
-        const float* k = rows[std::min<int64_t>(i + u, n - 1)];  // past the end: a repeat
-        __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
-        for (int j = 1; j < V; ++j) acc = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(k + j * 8), acc);
-        dots[u] = acc;
+  for (int64_t first = 0; first < len; first += kChunk) {
+    const int64_t n = std::min(kChunk, len - first);
+    keys.rows(first, n, rows);
+    if (first + n < len) keys.prefetch(first + n, std::min(kChunk, len - first - n), D);
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 q[V];
+      for (int j = 0; j < V; ++j) q[j] = _mm256_loadu_ps(query + g * query_head_stride + j * 8);
+      for (int64_t i = 0; i < n; i += 8) {
+        __m256 dots[8];
+        for (int u = 0; u < 8; ++u) {
+          const float* k = rows[std::min<int64_t>(i + u, n - 1)];  // past the end: a repeat
+          __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
+          for (int j = 1; j < V; ++j) acc = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(k + j * 8), acc);
+          dots[u] = acc;
+        }
+        _mm256_storeu_ps(scores + g * padded + first + i, sum_each(dots));
       }
-      _mm256_storeu_ps(scores + g * padded + first + i, sum_each(dots));
     }
   }
-}
-
-// out[g][lane0 * 8, (lane0 + L) * 8) = sum over the `len` tokens, in token order, of
-// probability * value: lanes of the head dimension are independent sums, so any split of
-// the lanes gives the same numbers. head_dim = 8 * V.
-template <int V, int L>
-void value_lanes(int64_t group, const CacheView& values, int64_t len, int64_t padded,
-                 const float* probs, int64_t lane0, float* out) {
-  constexpr int64_t D = 8 * V;
-  const float* rows[kChunk];
-  __m256 acc[L];
-  for (int64_t g = 0; g < group; ++g)
-    for (int j = 0; j < L; ++j) _mm256_storeu_ps(out + g * D + (lane0 + j) * 8, _mm256_setzero_ps());
+  for (int64_t g = 0; g < group; ++g) {
+    masked_softmax(scores + g * padded, len, padded, scale);
+    std::fill(out + g * D, out + (g + 1) * D, 0.0f);
+  }
   for (int64_t first = 0; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
     values.rows(first, n, rows);
     if (first + n < len) values.prefetch(first + n, std::min(kChunk, len - first - n), D);
     for (int64_t g = 0; g < group; ++g) {
-      float* o = out + g * D + lane0 * 8;
-      for (int j = 0; j < L; ++j) acc[j] = _mm256_loadu_ps(o + j * 8);
-      const float* p = probs + g * padded + first;
+      __m256 acc[V];
+      for (int j = 0; j < V; ++j) acc[j] = _mm256_loadu_ps(out + g * D + j * 8);
+      const float* p = scores + g * padded + first;
       for (int64_t i = 0; i < n; ++i) {
         const __m256 weight = _mm256_broadcast_ss(p + i);
-        for (int j = 0; j < L; ++j)
-          acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(rows[i] + (lane0 + j) * 8), acc[j]);
+        for (int j = 0; j < V; ++j)
+          acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(rows[i] + j * 8), acc[j]);
       }
-      for (int j = 0; j < L; ++j) _mm256_storeu_ps(o + j * 8, acc[j]);
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(out + g * D + j * 8, acc[j]);
     }
   }
 }
 
-// One sequence and KV head, in one task: `group` query heads, `len` cached tokens.
-// scores: scratch of group * round_up(len, 8) floats.
-template <int V>
-void attend(const float* query, int64_t query_head_stride, int64_t group, const CacheView& keys,
-            const CacheView& values, int64_t len, float scale, float* scores, float* out) {
-  const int64_t padded = (len + 7) / 8 * 8;
-  for (int64_t first = 0; first < len; first += kChunk)
-    score_chunk<V>(query, query_head_stride, group, keys, first, std::min(kChunk, len - first),
-                   len, padded, scores);
-  for (int64_t g = 0; g < group; ++g) masked_softmax(scores + g * padded, len, padded, scale);
-  value_lanes<V, V>(group, values, len, padded, scores, 0, out);
-}
-
 using AttendFn = void (*)(const float*, int64_t, int64_t, const CacheView&, const CacheView&,
                           int64_t, float, float*, float*);
-using ScoreFn = void (*)(const float*, int64_t, int64_t, const CacheView&, int64_t, int64_t,
-                         int64_t, int64_t, float*);
-using HalfValuesFn = void (*)(int64_t, const CacheView&, int64_t, int64_t, const float*,
-                              int64_t, float*);
 
-// The kernel's functions for one head_dim (8 * V floats).
-struct HeadDimKernels {
-  AttendFn attend;
-  ScoreFn score;
-  HalfValuesFn half_values;  // half the lanes of the head dimension
-};
-
-template <int V>
-constexpr HeadDimKernels kernels_of() {
-  return {attend<V>, score_chunk<V>, value_lanes<V, V / 2>};
-}
-
-std::optional<HeadDimKernels> kernels_for(int64_t head_dim) {
+AttendFn attend_for(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return kernels_of<2>();
-    case 32: return kernels_of<4>();
-    case 64: return kernels_of<8>();
-    case 80: return kernels_of<10>();
-    case 96: return kernels_of<12>();
-    case 128: return kernels_of<16>();
-    default: return std::nullopt;
+    case 16: return attend<2>;
+    case 32: return attend<4>;
+    case 64: return attend<8>;
+    case 80: return attend<10>;
+    case 96: return attend<12>;
+    case 128: return attend<16>;
+    default: return nullptr;
   }
-}
-
-// With few (sequence, KV head) tasks for the threads, one task each leaves threads idle: one
-// sequence of SmolLM2 (3 KV heads) on 2 threads ran 2 tasks on one thread and 1 on the other.
-// Then the work is split three ways instead: scores by 64-token chunk, the softmax by query
-// head, the value sums by half of the head dimension. Each number is computed by the same
-// operations in the same order as in the one-task path, so both give identical results.
-bool split_pays(int64_t tasks, int64_t threads) {
-  return threads > 1 && tasks % threads != 0 && tasks < 4 * threads;
 }
 
 // out, query: [S, H, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
@@ -199,8 +154,8 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
       pipellm_kernels::query_group_starts(heads, kv_heads, group_starts, "paged_decode_attention");
   TORCH_CHECK(block_tables.size(0) == seqs && context_lens.numel() == seqs,
               "paged_decode_attention: one block table and context length per sequence");
-  const std::optional<HeadDimKernels> fns = kernels_for(head_dim);
-  TORCH_CHECK(fns.has_value(), "paged_decode_attention: head_dim ", head_dim, " unsupported");
+  const AttendFn attend_fn = attend_for(head_dim);
+  TORCH_CHECK(attend_fn != nullptr, "paged_decode_attention: head_dim ", head_dim, " unsupported");
   const int64_t max_blocks = block_tables.size(1), num_blocks = key_cache.size(0);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -210,74 +165,25 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
       TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
                   "block id out of range");
   }
-  const int64_t tasks = seqs * kv_heads;
   const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
   const float* q = query.data_ptr<float>();
   const float* k = key_cache.data_ptr<float>();
   const float* v = value_cache.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const auto keys_of = [&](int64_t task) {
-    const int64_t s = task / kv_heads, h = task % kv_heads;
-    return CacheView{k + h * head_dim, tables + s * max_blocks, block_size, block_stride,
-                     token_stride};
-  };
-  const auto values_of = [&](int64_t task) {
-    const int64_t s = task / kv_heads, h = task % kv_heads;
-    return CacheView{v + h * head_dim, tables + s * max_blocks, block_size, block_stride,
-                     token_stride};
-  };
-  // Task (s, h) serves query heads [starts[h], starts[h + 1]) of sequence s.
-  const auto group_of = [&](int64_t task) {
-    return starts[task % kv_heads + 1] - starts[task % kv_heads];
-  };
-  const auto first_head = [&](int64_t task) { return starts[task % kv_heads]; };
-  const auto query_of = [&](int64_t task) {
-    return q + (task / kv_heads) * query.stride(0) + first_head(task) * query.stride(1);
-  };
-  const auto out_of = [&](int64_t task) {
-    return o + ((task / kv_heads) * heads + first_head(task)) * head_dim;
-  };
-  if (!split_pays(tasks, at::get_num_threads()) || head_dim % 16 != 0) {
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t len = lens[task / kv_heads], group = group_of(task);
-        if (group == 0) continue;
-        scores.resize(group * ((len + 7) / 8 * 8));
-        fns->attend(query_of(task), query.stride(1), group, keys_of(task), values_of(task), len,
-                    static_cast<float>(scale), scores.data(), out_of(task));
-      }
-    });
-    return;
-  }
-  // The split path: scores of sequence s, query head i in row s * heads + i, `padded` wide.
-  int64_t padded = 0;
-  for (int64_t s = 0; s < seqs; ++s) padded = std::max(padded, (lens[s] + 7) / 8 * 8);
-  const int64_t chunks = (padded + kChunk - 1) / kChunk;
-  std::vector<float> scores(seqs * heads * padded);
-  const auto scores_of = [&](int64_t task) {
-    return scores.data() + ((task / kv_heads) * heads + first_head(task)) * padded;
-  };
-  at::parallel_for(0, tasks * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t task = item / chunks, first = item % chunks * kChunk;
-      const int64_t len = lens[task / kv_heads];
-      if (first < len && group_of(task) > 0)
-        fns->score(query_of(task), query.stride(1), group_of(task), keys_of(task), first,
-                   std::min(kChunk, len - first), len, padded, scores_of(task));
-    }
-  });
-  at::parallel_for(0, seqs * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row)
-      masked_softmax(scores.data() + row * padded, lens[row / heads], padded,
-                     static_cast<float>(scale));
-  });
-  at::parallel_for(0, tasks * 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t task = item / 2;
-      if (group_of(task) > 0)
-        fns->half_values(group_of(task), values_of(task), lens[task / kv_heads], padded,
-                         scores_of(task), item % 2 * (head_dim / 16), out_of(task));
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lens[s], group = starts[h + 1] - starts[h];
+      if (group == 0) continue;
+      scores.resize(group * ((len + 7) / 8 * 8));
+      const CacheView keys{k + h * head_dim, tables + s * max_blocks, block_size, block_stride,
+                           token_stride};
+      const CacheView values{v + h * head_dim, tables + s * max_blocks, block_size, block_stride,
+                             token_stride};
+      attend_fn(q + s * query.stride(0) + starts[h] * query.stride(1), query.stride(1), group,
+                keys, values, len, static_cast<float>(scale), scores.data(),
+                o + (s * heads + starts[h]) * head_dim);
     }
   });
 }
