@@ -11,6 +11,7 @@ import traceback
 import pytest
 import torch
 
+from pipellm.executor.mp import join_or_kill
 from pipellm.parallel.shm_comm import PREFIX, SHM_DIR, SLOT_BYTES, shm_comm_available
 from pipellm.worker.net import free_port
 
@@ -82,11 +83,7 @@ def test_exact_sums_and_gathers_then_a_dead_rank_raises_and_leaves_no_segment(re
         assert (kind, rank) == ("error", 0)
         assert f"rank 1 (pid {processes[1].pid}) is gone" in payload
     finally:
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        join_or_kill(processes, timeout_s=5)
     assert not _our_segments(processes)
     a, b = _inputs(0), _inputs(1)
     for name in a:

@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pipellm.executor.mp import join_or_kill
 from pipellm.worker.net import free_port
 
 TP = 2
@@ -114,11 +115,7 @@ def main() -> None:
     try:
         medians = results.get(timeout=600)
     finally:
-        for process in ranks:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        join_or_kill(ranks, timeout_s=30)
     print(f"T = {TP}, 2 stages, {2 * TP} processes on {os.cpu_count()} cores")
     print(f"{'tokens x 576 fp32':>18} {'matching us':>12} {'bcast us':>10} {'bcast/matching':>15}")
     for tokens in args.token_counts:

@@ -158,6 +158,8 @@ def time_pipeline(config: Any, repeats: int) -> tuple[list[Sample], list[tuple[B
     alone is the rate at which P concurrent stages progress (docs/simulation.md)."""
     import multiprocessing
 
+    from pipellm.executor.mp import join_or_kill
+
     context = multiprocessing.get_context("spawn")  # as the mp backend starts its stages
     size = config.pipeline_parallel_size
     barrier = context.Barrier(size, timeout=600)
@@ -182,11 +184,7 @@ def time_pipeline(config: Any, repeats: int) -> tuple[list[Sample], list[tuple[B
             except EOFError:
                 raise RuntimeError(f"timing stage {stage} of {size}: its process died") from None
     finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        join_or_kill(processes, timeout_s=30)
     for stage, result in enumerate(results):
         if isinstance(result, BaseException):
             raise RuntimeError(f"timing stage {stage} of {size} failed: {result!r}") from result

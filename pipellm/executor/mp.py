@@ -157,6 +157,16 @@ class MultiprocExecutor(RemoteStagesExecutor):
                 raise WorkerDiedError(f"pipeline stage {rank} is not running")
 
 
+def join_or_kill(processes: list[mp.process.BaseProcess], timeout_s: float) -> None:
+    """Waits up to timeout_s for each process to exit, then kills whichever is still alive:
+    nothing started here outlives its caller."""
+    for process in processes:
+        process.join(timeout=timeout_s)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def _reap(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
     """Asks every stage to stop, then makes sure: terminate, then kill."""
     for conn in conns:
