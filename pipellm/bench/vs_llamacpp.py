@@ -18,10 +18,14 @@ Configurations: `pipellm` (its kernels, GGUF weights as stored: the defaults, bi
 float32), `int8` (pipellm with the opt-in `quantization="gguf_int8"`: activations rounded to int8
 for VNNI dot products, as llama.cpp computes; where the CPU has AVX-512 VNNI), `pytorch` (pipellm
 with PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the prefill
-reference) and `llamacpp`. Ratios are llama.cpp's time over each pipellm configuration's.
+reference), `int8-unfused` (`int8` with PIPELLM_DECODE_FAST_PATH=0: the decode step's layers
+on the Python path, to show what the fused decode path gives) and `llamacpp`. `--configs` runs
+a subset (llamacpp is always in: the ratios are against it). Ratios are llama.cpp's time over
+each pipellm configuration's.
 
     cpulock bench .venv/bin/python -m pipellm.bench.vs_llamacpp               # 2 threads, 3 rounds
     .venv/bin/python -m pipellm.bench.vs_llamacpp --threads 1 --rounds 1 --workloads single
+    .venv/bin/python -m pipellm.bench.vs_llamacpp --workloads single --configs int8 int8-unfused
     .venv/bin/python -m pipellm.bench.vs_llamacpp --llamacpp-python /opt/llamacpp-venv/bin/python
 
 Building llama-cpp-python: on a CPU with AMX (Sapphire Rapids and later Xeons) a build with
@@ -49,9 +53,12 @@ import numpy as np
 PROMPT_LEN, BATCH, BATCH_NEW_TOKENS = 256, 16, 64
 # name -> (engine, extra environment, pipellm's quantization setting); the llama.cpp child
 # runs in --llamacpp-python.
+_KERNELS = {"PIPELLM_CPU_KERNELS": "1", "PIPELLM_DECODE_FAST_PATH": "1"}
 CONFIGS = {
-    "pipellm": ("pipellm", {"PIPELLM_CPU_KERNELS": "1"}, "gguf"),
-    "int8": ("pipellm", {"PIPELLM_CPU_KERNELS": "1"}, "gguf_int8"),
+    "pipellm": ("pipellm", _KERNELS, "gguf"),
+    "int8": ("pipellm", _KERNELS, "gguf_int8"),
+    # int8 without the fused decode path (model/decode_fast_path.py): what it gives.
+    "int8-unfused": ("pipellm", {**_KERNELS, "PIPELLM_DECODE_FAST_PATH": "0"}, "gguf_int8"),
     "pytorch": ("pipellm", {"PIPELLM_CPU_KERNELS": "0"}, "none"),
     "llamacpp": ("llamacpp", {}, None),
 }
@@ -232,6 +239,13 @@ def main() -> None:
     parser.add_argument(
         "--workloads", nargs="+", choices=("single", "batch"), default=["single", "batch"]
     )
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=[c for c in CONFIGS if c != "llamacpp"],
+        default=[c for c in CONFIGS if c != "llamacpp"],
+        help="pipellm's configurations to run (default: all); llama.cpp always runs",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--llamacpp-python",
@@ -262,7 +276,8 @@ def main() -> None:
 
     def configs_for(workload: str) -> list[str]:
         """pytorch is the prefill reference: one sequence only; int8 where the CPU runs it."""
-        names = [c for c in CONFIGS if int8 or c != "int8"]
+        chosen = [*args.configs, "llamacpp"]
+        names = [c for c in CONFIGS if c in chosen and (int8 or not c.startswith("int8"))]
         return names if workload == "single" else [c for c in names if c != "pytorch"]
 
     for workload in args.workloads:
@@ -275,7 +290,7 @@ def main() -> None:
                     print(f"llama.cpp system info: {info}")
                     shown_info = True
                 results.setdefault((workload, config), []).append(r)
-                print(f"  {workload} round {rnd} {config:8s} " + json.dumps(r), flush=True)
+                print(f"  {workload} round {rnd} {config:12s} " + json.dumps(r), flush=True)
 
     def median(workload: str, config: str, key: str) -> float:
         return statistics.median(r[key] for r in results[(workload, config)])
@@ -289,7 +304,7 @@ def main() -> None:
         for c in names:
             ratio = values["llamacpp"] / values[c]
             extra = f"  ({1e3 / values[c]:.0f} tok/s)" if key == "decode_step_ms" else ""
-            print(f"    {c:9s} {values[c]:8.3f} {unit}{extra}   llama.cpp / this {ratio:.2f}x")
+            print(f"    {c:12s} {values[c]:8.3f} {unit}{extra}   llama.cpp / this {ratio:.2f}x")
 
     if "single" in args.workloads:
         table(
@@ -300,7 +315,7 @@ def main() -> None:
             f"({args.decode_tokens} tokens)",
         )
         table("single", "ttft_s", "s", f"(c) one {PROMPT_LEN}-token prompt, time to first token")
-        if ("single", "pytorch") in results:
+        if ("single", "pytorch") in results and ("single", "pipellm") in results:
             ours, base = (
                 median("single", "pipellm", "ttft_s"),
                 median("single", "pytorch", "ttft_s"),
