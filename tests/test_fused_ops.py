@@ -49,3 +49,19 @@ def test_silu_and_mul(path, rows, width):
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])  # saturated and zero gates
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 49152), (16, 300), (3, 7), (2, 1)])
+def test_argmax_rows_is_torch_argmax(path, rows, width):
+    """The greedy sampler's argmax: the first maximum of a row (ties are common in logits
+    rounded alike, or set to -inf by logits rules); a NaN counts as the largest, as in torch."""
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randint(-3, 4, (rows, width), generator=generator).float()  # many ties
+    x[0] = float("-inf")  # a row every rule masked
+    if rows > 2:
+        x[1, width // 2] = float("nan")
+        x[1, -1] = float("nan")  # the first NaN wins
+        x[2, -1] = 100.0  # the maximum in the scalar tail
+    got = fused_ops.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(-1))

@@ -1,5 +1,6 @@
-"""RMSNorm (with the residual add before it) and SiLU-and-mul, on pipellm's fused CPU kernels
-(pipellm/kernels/elementwise.cpp) where they apply, else in plain PyTorch."""
+"""RMSNorm (with the residual add before it), SiLU-and-mul and the sampler's argmax, on
+pipellm's fused CPU kernels (pipellm/kernels/elementwise.cpp) where they apply, else in plain
+PyTorch."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops().silu_and_mul(gate_up.contiguous())
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [S, V]. Each row's argmax, int64 [S], as logits.argmax(-1) (the first maximum;
+    a NaN counts as the largest): the greedy token. ATen's reduction takes ~105 us a 49152-wide
+    row on this CPU (~1% of a one-sequence step), the kernel ~10."""
+    if kernels_apply(logits) and logits.dim() == 2 and logits.shape[1] > 0:
+        return ops().argmax_rows(logits.contiguous())
+    return logits.argmax(-1)

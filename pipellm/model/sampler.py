@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from pipellm.model.fused_ops import argmax_rows
 from pipellm.model.logits_rules import RowRules, apply_logits_rules
 from pipellm.protocol import Logprobs
 from pipellm.sampling_params import SamplingParams
@@ -71,7 +72,7 @@ def sample(
     """
     failed: dict[int, str] = {}
     processed = _apply_rules(logits, rules, failed) if rules else logits
-    tokens = processed.argmax(-1).tolist()  # greedy rows are done here, in one call
+    tokens = argmax_rows(processed).tolist()  # greedy rows are done here, in one call
     logprobs: list[Logprobs | None] = [None] * len(params)
     for row, p in enumerate(params):
         if row in failed:
