@@ -48,6 +48,8 @@ def test_no_coefficient_is_negative():
 
 
 def test_profile_command_writes_a_loadable_profile(tmp_path, capsys):
+    """Default timing: every grid point streamed through the engine's own executor (P=1 in
+    process, P=2 the mp backend's stage processes), a fit per P, no slowdown factor."""
     model = make_tiny_checkpoint(tmp_path / "tiny")
     output = tmp_path / "profile.json"
     args = build_parser().parse_args(
@@ -61,10 +63,25 @@ def test_profile_command_writes_a_loadable_profile(tmp_path, capsys):
     points = grid(512)  # the tiny model's context leaves out the longest grid points
     assert 0 < len(points) < len(DECODE_GRID + PREFILL_GRID)
     assert len(data["fit"]["samples"]) == 3 * len(points)  # every stage of P=1 and P=2
-    # A fit per P, and P=2's stages timed computing at once: one slowdown per grid point
-    # and repeat, at most (only where the stage that finished first had company throughout,
-    # which a tiny model's millisecond steps may never show).
+    assert all(s["measured_s"] > 0 for s in data["fit"]["samples"])
     assert set(data["linear_by_stages"]) == {"1", "2"}
+    assert set(profile.linear_by_stages) == {1, 2}
+    assert data["measured_on"]["timing"] == "stream" and data["concurrent_slowdown"] == []
+    assert not profile.stages_interfere
+
+
+def test_profile_alone_timing_measures_the_concurrent_slowdown(tmp_path):
+    model = make_tiny_checkpoint(tmp_path / "tiny")
+    output = tmp_path / "profile.json"
+    args = build_parser().parse_args(
+        ["profile", str(model), "--output", str(output), "--repeats", "1", "--timing", "alone"]
+    )
+    args.func(args)
+    data = json.loads(output.read_text())
+    points = grid(512)
+    assert len(data["fit"]["samples"]) == 3 * len(points)
+    # P=2's stages timed computing at once: one slowdown per grid point and repeat, at most
+    # (only where the stage that finished first had company throughout, which a tiny
+    # model's millisecond steps may never show).
     assert len(data["fit"]["slowdowns"]["2"]) <= len(points)
     assert data["concurrent_slowdown"][0] == 1.0 and data["concurrent_slowdown"][1] > 0
-    assert set(profile.linear_by_stages) == {1, 2}

@@ -184,7 +184,14 @@ def main_single(args: argparse.Namespace) -> None:
             print(f"TTFT ({num})/(d) = {ratio:.2f}x  (strong-scaling efficiency {1 / ratio:.0%})")
 
 
-def run_once(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> dict:
+def run_once(
+    setup: Setup,
+    args: argparse.Namespace,
+    trace_file: str | None,
+    on_core: Callable[[EngineCore], None] | None = None,
+) -> dict:
+    """One real run; `on_core` sees the engine before the first request (to record its
+    micro-batches: pipellm/bench/sim_steps.py)."""
     config = EngineConfig(
         model=args.model,
         max_num_seqs=8,
@@ -196,6 +203,8 @@ def run_once(setup: Setup, args: argparse.Namespace, trace_file: str | None) -> 
         **setup.engine_args,
     )
     core = EngineCore(config)
+    if on_core is not None:
+        on_core(core)
     rng = random.Random(0)
     vocab = config.model_config.vocab_size
     prompts = [

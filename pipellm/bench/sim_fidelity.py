@@ -21,6 +21,13 @@ import tempfile
 from pathlib import Path
 
 from pipellm.bench.pp_scaling import SETUPS, run_once
+from pipellm.bench.sim_steps import (
+    StepRecorder,
+    machine_cpu_seconds,
+    own_cpu_seconds,
+    print_summary,
+    summarize,
+)
 from pipellm.config import EngineConfig
 from pipellm.entrypoints.cli import build_parser
 
@@ -29,20 +36,6 @@ METRICS = (
     ("mean_ttft_s", "mean_ttft_ms", 1000.0, "mean TTFT ms"),
     ("median_tpot_s", "median_tpot_ms", 1000.0, "median TPOT ms"),
 )
-
-
-def machine_cpu_seconds() -> float:
-    """CPU seconds every process of this machine has used since boot (/proc/stat: user, nice,
-    system, irq, softirq), and this process's share with its reaped children (os.times)."""
-    with open("/proc/stat") as f:
-        fields = f.readline().split()[1:]
-    ticks = sum(int(fields[i]) for i in (0, 1, 2, 5, 6))
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
 
 
 def predict(setup_args: dict, args: argparse.Namespace, concurrency: int, profile: str) -> dict:
@@ -75,6 +68,12 @@ def main() -> None:
         "--setups", default="abc", help="pp_scaling's mp setups to run (default %(default)s)"
     )
     parser.add_argument("--out", default=None, help="results folder (default: a temp dir)")
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="after each real run, its micro-batches' stage times against the profile's, by "
+        "kind of micro-batch (pipellm/bench/sim_steps.py)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     out = Path(args.out or tempfile.mkdtemp(prefix="pipellm-sim-fidelity-"))
@@ -93,8 +92,9 @@ def main() -> None:
     for concurrency in [int(c) for c in args.concurrencies.split(",")]:
         args.concurrency = concurrency
         for setup in setups:
+            recorder = StepRecorder()
             machine, own = machine_cpu_seconds(), own_cpu_seconds()
-            measured = run_once(setup, args, None)
+            measured = run_once(setup, args, None, on_core=recorder if args.steps else None)
             # A real run is only as good as the quiet around it: CPU that other processes
             # took meanwhile (cpulock bench keeps the project's tests out, not everything).
             foreign = (machine_cpu_seconds() - machine) - (own_cpu_seconds() - own)
@@ -123,6 +123,9 @@ def main() -> None:
                 ),
                 flush=True,
             )
+            if args.steps:
+                steps = recorder.steps(profile)
+                print_summary(summarize(steps), steps)
     print(f"\n{'setup':22s} {'conc':>4s} {'metric':16s} {'predicted':>10s} {'measured':>10s} "
           f"{'error':>7s}")  # fmt: skip
     summary = []

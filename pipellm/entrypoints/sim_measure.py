@@ -24,6 +24,7 @@ import json
 import platform
 import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from pipellm.sim.shapes import BatchShape
 # (cached context, scheduled tokens) of each request in a grid micro-batch.
 # Decodes at three contexts: a decode row's attention reads its whole context (layer_context_s),
 # and prompt chunks after a cached context separate that from the prompt's pairs.
-DECODE_GRID = [[(context, 1)] * rows for rows in (1, 4, 8) for context in (128, 512, 1024)]
+DECODE_GRID = [[(context, 1)] * rows for rows in (1, 2, 4, 8) for context in (128, 512, 1024)]
 PREFILL_GRID = [
     [(0, 16)],
     [(0, 64)],
@@ -48,6 +49,10 @@ PREFILL_GRID = [
     [(0, 512)] * 4,  # whole prompts batched, as --no-pp-balance schedules them
     [(1024, 1)] * 4 + [(0, 124)],  # a balanced micro-batch: decodes and a prompt chunk
     [(512, 1)] * 4 + [(256, 124)],  # decodes and a chunk after a cached context
+    # Balanced P=2 with a few requests: a chunk beside one decode, and a prompt's last few
+    # tokens (what is left of it after 128-token chunks) beside decodes.
+    [(512, 1), (256, 127)],
+    [(512, 1)] * 2 + [(500, 12)],
 ]
 
 
@@ -205,6 +210,68 @@ def time_pipeline(config: Any, repeats: int) -> tuple[list[Sample], list[tuple[B
     return samples, slowdowns
 
 
+def time_streamed(config: Any, repeats: int, passes: int = 2) -> list[Sample]:
+    """Every grid point's stage times as the engine's own executor runs them: one unbroken
+    stream of micro-batches with the engine's in-flight depth (P plus the spare ones of
+    --pp-async-batch-depth), so every stage computes while the others do and its inputs,
+    outputs and next schedule cross as they do in serving. Each point is 1 + `repeats`
+    consecutive copies (the first, where the shape changes, is not timed), and the grid is
+    gone through `passes` times (A B A B: drift over the run touches every point alike).
+
+    Why not the stage alone: replaying a real balanced P=2 run's micro-batches through the mp
+    executor took ~10 s of stage time per stage with 2 in flight and 12-13 s with 3 in flight,
+    the engine's depth, where the real run took 12 s (docs/simulation.md)."""
+    from pipellm.executor.factory import make_executor
+
+    executor = make_executor(config)
+    depth = config.max_micro_batches_in_flight
+    ids = itertools.count()
+    points = grid(config.max_model_len)
+    times: list[list[list[float]]] = [[[] for _ in range(config.pipeline_parallel_size)]
+                                      for _ in points]  # fmt: skip
+    shapes: list[BatchShape | None] = [None] * len(points)
+    in_flight: deque[tuple[int, bool, Any]] = deque()
+    previous: list[str] = []
+
+    def collect() -> None:
+        index, timed, future = in_flight.popleft()
+        output = future.result()
+        if timed:
+            for stage, (started, ended) in enumerate(output.stage_times):
+                times[index][stage].append(ended - started)
+
+    try:
+        micro_batch_id = 0
+        for _ in range(passes):
+            for index, chunks in enumerate(points):
+                for copy in range(1 + repeats):
+                    output = _scheduler_output(chunks, ids, config.block_size)
+                    output.micro_batch_id = micro_batch_id
+                    micro_batch_id += 1
+                    output.freed_request_ids = previous
+                    previous = [r.request_id for r in output.requests]
+                    shapes[index] = BatchShape.of(output)
+                    in_flight.append((index, copy > 0, executor.submit(output)))
+                    if len(in_flight) >= depth:
+                        collect()
+        while in_flight:
+            collect()
+    finally:
+        executor.shutdown()
+    specs = [config.stage(stage) for stage in range(config.pipeline_parallel_size)]
+    return [
+        Sample(
+            spec.layer_end - spec.layer_start,
+            spec.is_last,
+            shape,
+            statistics.median(times[index][stage]),
+        )
+        for stage, spec in enumerate(specs)
+        for index, shape in enumerate(shapes)
+        if shape is not None
+    ]
+
+
 def fit(samples: list[Sample]) -> tuple[LinearCoefficients, list[float]]:
     """Least squares relative to each time; returns the coefficients and each relative error."""
     rows = []
@@ -305,6 +372,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
         )
+        if args.timing == "stream":
+            print(f"timing the {size} stage(s) of P={size} in a full pipeline ...", flush=True)
+            samples[size] = time_streamed(config, args.repeats)
+            continue
         print(f"timing the {size} stage(s) of P={size}, alone and together ...", flush=True)
         samples[size], together = time_pipeline(config, args.repeats)
         if size > 1:
@@ -323,10 +394,13 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     by_size = {}
     for size in sizes:
         by_size[size], size_errors = fit(samples[size])
-        _print_fit(f"P={size} alone", samples[size], size_errors)
-    factors = slowdown_factors(slowdowns)
-    print("concurrent_slowdown (k stages computing at once, k = 1, 2, ...): " +
-          ", ".join(f"{f:.2f}" for f in factors))  # fmt: skip
+        _print_fit(f"P={size} ({args.timing})", samples[size], size_errors)
+    # Streamed steps were timed with the other stages computing, so no factor is applied on
+    # top of them (an empty concurrent_slowdown: the sim runs stages as separate servers).
+    factors = slowdown_factors(slowdowns) if args.timing == "alone" else []
+    if factors:
+        print("concurrent_slowdown (k stages computing at once, k = 1, 2, ...): " +
+              ", ".join(f"{f:.2f}" for f in factors))  # fmt: skip
     dispatch = engine_seconds_per_step(config)
     print(f"engine loop: {dispatch * 1e3:.2f} ms per micro-batch (link.dispatch_s)")
     machine = platform.processor() or platform.machine()
@@ -343,6 +417,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             "num_threads": args.num_threads,
             "pipeline_parallel_sizes": sizes,
             "repeats": args.repeats,
+            "timing": args.timing,
         },
         "fit": {
             "mean_abs_error": statistics.mean(abs_errors),
@@ -388,5 +463,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats", type=int, default=2, help="timed runs per micro-batch (after a warm-up)"
+    )
+    parser.add_argument(
+        "--timing",
+        choices=("stream", "alone"),
+        default="stream",
+        help="stream: each grid point's copies go through the engine's own executor with its "
+        "in-flight depth, every stage busy, as in serving; alone: each stage timed alone and "
+        "with all P at once, which also measures concurrent_slowdown (default %(default)s)",
     )
     parser.set_defaults(func=profile)
