@@ -44,6 +44,7 @@ _FILES = (
     "int8_linear.cpp",
     "rotary_and_cache.cpp",
     "elementwise.cpp",
+    "decode_layers.cpp",
 )
 SOURCES = [Path(__file__).with_name(name) for name in _FILES]
 # Head sizes the attention kernel is instantiated for (see attend_for in the source).
@@ -177,6 +178,14 @@ def cpu_kernels_available() -> bool:
 def ops(level: str | None = None) -> torch._ops._OpNamespace:
     """The kernels' ops at `level` (default: the chosen one), built or loaded on first use."""
     return _ops_at(level or _chosen_loaded())
+
+
+def kernel_class(class_name: str, level: str | None = None) -> type:
+    """A TorchScript class the kernels register (e.g. DecodeLayers, decode_layers.cpp) at
+    `level` (default: the chosen one), built or loaded on first use."""
+    name = level or _chosen_loaded()
+    _ops_at(name)
+    return getattr(getattr(torch.classes, _BY_NAME[name].namespace), class_name)
 
 
 @functools.cache

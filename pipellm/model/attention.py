@@ -10,6 +10,8 @@ token slots one by one.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -55,9 +57,12 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return rows.view(*block_tables.shape[:-1], -1, num_heads, head_dim)
 
 
+@functools.cache
 def kv_head_of_query(group_starts: tuple[int, ...]) -> torch.Tensor:
     """Each query head's KV head, from uneven group offsets (see TensorParallelPlan's
-    kv_group_starts): (0, 3, 5) -> [0, 0, 0, 1, 1]."""
+    kv_group_starts): (0, 3, 5) -> [0, 0, 0, 1, 1]. Cached (never written to): built per
+    call it was four small tensor ops in every layer's attention, ~80 us a layer and 2.4 ms
+    of a one-sequence TP decode step (docs/benchmarks.md, "Tensor parallelism, fourth pass")."""
     sizes = torch.tensor(group_starts).diff()
     return torch.repeat_interleave(torch.arange(len(sizes)), sizes)
 
@@ -82,11 +87,10 @@ def paged_attention(
     gqa = q.shape[1] != num_heads
     # SDPA knows only even groups: with uneven ones its paths get the keys and values
     # repeated per query head (the kernels read them in place).
-    kv_index = None if group_starts is None else kv_head_of_query(group_starts)
     starts = None if group_starts is None else list(group_starts)
 
     def per_query_head(x: torch.Tensor, dim: int) -> torch.Tensor:
-        return x if kv_index is None else x.index_select(dim, kv_index)
+        return x if group_starts is None else x.index_select(dim, kv_head_of_query(group_starts))
 
     nd = batch.num_decodes
     if nd and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS and kernels_apply(q):
@@ -108,7 +112,7 @@ def paged_attention(
             per_query_head(gather_blocks(v_cache, tables).transpose(1, 2), 1),
             attn_mask=batch.decode_mask,
             scale=scale,
-            enable_gqa=gqa and kv_index is None,
+            enable_gqa=gqa and group_starts is None,
         ).squeeze(2)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
@@ -132,7 +136,7 @@ def paged_attention(
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=scale,
-                enable_gqa=gqa and kv_index is None,
+                enable_gqa=gqa and group_starts is None,
             )
             .squeeze(0)
             .transpose(0, 1)

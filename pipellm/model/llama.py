@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pipellm.model.attention import paged_attention, rotate_and_cache
+from pipellm.model.decode_fast_path import DecodeFastPath, why_not_fused
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.model.fused_ops import add_rms_norm_, rms_norm, silu_and_mul
 from pipellm.model.gguf_linear import QuantizedWeight, stack_rows
@@ -184,6 +185,7 @@ class LlamaStage(nn.Module):
             config.rope_scaling,
             dtype,
         )
+        self.decode_fast_path: DecodeFastPath | None = None  # see prepare_for_inference
 
     def forward(
         self,
@@ -194,6 +196,8 @@ class LlamaStage(nn.Module):
         """inputs: token ids [T] on the first stage, hidden states [T, hidden] after it."""
         x = self.embed(inputs) if self.is_first else inputs
         cos_sin = self.rope.tables(batch.positions)
+        if self.decode_fast_path is not None and self.decode_fast_path.applies(batch):
+            return self.decode_fast_path(x, cos_sin, kv_caches, batch)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, batch)
@@ -226,13 +230,16 @@ class LlamaStage(nn.Module):
         linears `quantized` gives GGUF weights for (by module name, see quantized_linears),
         which compute on those (model/gguf_linear.py; with `int8_activations`, on int8
         activations). A tied lm_head gets its own packed copy of the embedding: it is the
-        largest GEMM."""
+        largest GEMM. Where the layers allow, builds the fused decode path
+        (model/decode_fast_path.py)."""
         if self.is_last and self.lm_head is None:
             hidden, vocab = self.config.hidden_size, self.tp.vocab_size
             self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         if prepack:
             prepack_linears(self, quantized or {}, int8_activations=int8_activations)
+            if why_not_fused(self) is None:
+                self.decode_fast_path = DecodeFastPath(self)
 
     def quantized_linears(
         self, checkpoint_weights: dict[str, QuantizedWeight]

@@ -1,0 +1,195 @@
+// All of a pipeline stage's decoder layers for a batch of decodes (one new token per sequence),
+// in one call from Python (pipellm/model/decode_fast_path.py).
+//
+// Why: at one sequence a layer's kernels take ~181 us, but its Python forward ~301 us; the
+// difference is glue (module calls, the kernel wrappers' checks, view/split, one torch.ops
+// dispatch from Python per kernel), ~3.6 ms of an ~11 ms step (docs/benchmarks.md, "Where a
+// one-sequence step goes"). Here the glue is C++: each layer calls the SAME kernels, in the
+// SAME order and on the same inputs as LlamaStage's Python path (model/llama.py), through the
+// dispatcher with typed handles looked up once, so the hidden states are bit-identical; the
+// Python path stays the reference and the fallback (prefills, mixed batches, tensor
+// parallelism, models the kernels do not cover).
+//
+// A DecodeLayers object (a TorchScript custom class) holds a stage's weights, built once at
+// load; the KV caches, allocated after the weights, are bound later with set_caches.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+
+#include "kernel_library.h"
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+#define PIPELLM_STRINGIFY_(x) #x
+#define PIPELLM_STRINGIFY(x) PIPELLM_STRINGIFY_(x)
+
+// This level's op `name`, with the C++ signature its kernel was registered with.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> level_op(const char* name) {
+  const std::string qualified = std::string(PIPELLM_STRINGIFY(PIPELLM_OPS_NAMESPACE)) + "::" + name;
+  return c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "").typed<Signature>();
+}
+
+using Optional = std::optional<at::Tensor>;
+using PackedLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t);
+using QuantizedLinearFn =
+    at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Optional&, int64_t);
+using RmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using AddRmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using SiluAndMulFn = at::Tensor(const at::Tensor&);
+using RotaryFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                         at::OptionalIntArrayRef);
+
+// How a linear layer computes (model/linear.py's PackedLinear, model/gguf_linear.py's
+// QuantizedLinear); the Python side passes these codes.
+enum Method : int64_t { kPacked = 0, kQuantized = 1, kQuantizedInt8 = 2 };
+constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
+constexpr int64_t kNormsPerLayer = 2;    // input_layernorm, post_attention_layernorm
+
+struct Linear {
+  Method method;
+  at::Tensor weight;  // packed for its kernel
+  Optional bias;
+  int64_t kind;  // the GGUF kind code of the quantized kernels; unused for kPacked
+  int64_t out_features;
+};
+
+class DecodeLayers : public torch::CustomClassHolder {
+ public:
+  // Per layer, in order: norms = (input_layernorm, post_attention_layernorm) weights; the
+  // linears (qkv_proj, o_proj, gate_up_proj, down_proj) as weights, biases (an empty tensor:
+  // none), methods, kinds and out_features.
+  DecodeLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
+               std::vector<at::Tensor> biases, std::vector<int64_t> methods,
+               std::vector<int64_t> kinds, std::vector<int64_t> out_features, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double scale, double eps)
+      : norms_(std::move(norms)),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        scale_(scale),
+        eps_(eps),
+        packed_linear_(level_op<PackedLinearFn>("packed_linear")),
+        quantized_linear_(level_op<QuantizedLinearFn>("quantized_linear")),
+        rms_norm_(level_op<RmsNormFn>("rms_norm")),
+        add_rms_norm_(level_op<AddRmsNormFn>("add_rms_norm_")),
+        silu_and_mul_(level_op<SiluAndMulFn>("silu_and_mul")),
+        rotary_and_cache_(level_op<RotaryFn>("rotary_and_cache_")),
+        paged_decode_attention_(level_op<AttentionFn>("paged_decode_attention")) {
+    const size_t count = weights.size();
+    TORCH_CHECK(count % kLinearsPerLayer == 0 && biases.size() == count &&
+                    methods.size() == count && kinds.size() == count &&
+                    out_features.size() == count,
+                "DecodeLayers: 4 linears a layer, each with a weight, bias, method, kind and "
+                "out_features");
+    num_layers_ = static_cast<int64_t>(count) / kLinearsPerLayer;
+    TORCH_CHECK(static_cast<int64_t>(norms_.size()) == kNormsPerLayer * num_layers_,
+                "DecodeLayers: 2 norm weights a layer");
+    for (size_t i = 0; i < count; ++i) {
+      TORCH_CHECK(methods[i] >= kPacked && methods[i] <= kQuantizedInt8,
+                  "DecodeLayers: method ", methods[i], " is not 0 (packed), 1 (quantized) or 2 "
+                  "(quantized, int8 activations)");
+      const Method method = static_cast<Method>(methods[i]);
+      if (method == kQuantizedInt8 && !quantized_linear_int8_)
+        quantized_linear_int8_ = level_op<QuantizedLinearFn>("quantized_linear_int8");
+      Optional bias;
+      if (biases[i].numel() > 0) bias = biases[i];
+      linears_.push_back({method, weights[i], bias, kinds[i], out_features[i]});
+    }
+  }
+
+  // Per layer (key cache, value cache), as the Python path's kv_caches.
+  void set_caches(std::vector<at::Tensor> caches) {
+    TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * num_layers_,
+                "DecodeLayers.set_caches: a key and a value cache per layer");
+    caches_ = std::move(caches);
+  }
+
+  // x: [T, hidden], one decode a row; cos, sin: the rope tables at the rows' positions. Returns
+  // the stage's output, as LlamaStage.forward does: the last MLP output plus the residual.
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+                     at::Tensor block_tables, at::Tensor context_lens) {
+    TORCH_CHECK(static_cast<int64_t>(caches_.size()) == 2 * num_layers_,
+                "DecodeLayers: set_caches first");
+    if (num_layers_ == 0) return x;
+    const int64_t tokens = x.size(0);
+    at::Tensor residual;
+    for (int64_t l = 0; l < num_layers_; ++l) {
+      const Linear* linear = &linears_[l * kLinearsPerLayer];
+      const at::Tensor& key_cache = caches_[2 * l];
+      const at::Tensor& value_cache = caches_[2 * l + 1];
+      // DecoderLayer.forward: x += residual; h = norm(x); the residual stream goes on in x.
+      at::Tensor h;
+      if (l == 0) {
+        h = rms_norm_.call(x, norms_[kNormsPerLayer * l], eps_);
+        residual = x;
+      } else {
+        h = add_rms_norm_.call(x, residual, norms_[kNormsPerLayer * l], eps_);
+        residual = x;
+      }
+      // Attention.forward
+      const at::Tensor qkv = apply(linear[0], h).view({tokens, -1, head_dim_});
+      rotary_and_cache_.call(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads_,
+                             num_kv_heads_);
+      const at::Tensor q = qkv.narrow(1, 0, num_heads_);
+      const at::Tensor attended = at::empty(q.sizes(), q.options());
+      paged_decode_attention_.call(attended, q, key_cache, value_cache, block_tables,
+                                   context_lens, scale_, std::nullopt);
+      const at::Tensor out = apply(linear[1], attended.view({tokens, -1}));
+      h = add_rms_norm_.call(out, residual, norms_[kNormsPerLayer * l + 1], eps_);
+      // MLP.forward
+      x = apply(linear[3], silu_and_mul_.call(apply(linear[2], h)));
+      residual = out;
+    }
+    return x.add_(residual);
+  }
+
+ private:
+  at::Tensor apply(const Linear& linear, const at::Tensor& x) {
+    switch (linear.method) {
+      case kPacked:
+        return packed_linear_.call(x, linear.weight, linear.bias, linear.out_features);
+      case kQuantized:
+        return quantized_linear_.call(x, linear.weight, linear.kind, linear.bias,
+                                      linear.out_features);
+      case kQuantizedInt8:
+        return quantized_linear_int8_->call(x, linear.weight, linear.kind, linear.bias,
+                                            linear.out_features);
+    }
+    TORCH_CHECK(false, "DecodeLayers: bad linear method");
+  }
+
+  std::vector<at::Tensor> norms_;
+  std::vector<Linear> linears_;
+  std::vector<at::Tensor> caches_;
+  int64_t num_layers_ = 0;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_, eps_;
+  c10::TypedOperatorHandle<PackedLinearFn> packed_linear_;
+  c10::TypedOperatorHandle<QuantizedLinearFn> quantized_linear_;
+  c10::TypedOperatorHandle<RmsNormFn> rms_norm_;
+  c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm_;
+  c10::TypedOperatorHandle<SiluAndMulFn> silu_and_mul_;
+  c10::TypedOperatorHandle<RotaryFn> rotary_and_cache_;
+  c10::TypedOperatorHandle<AttentionFn> paged_decode_attention_;
+  // Only on the avx512 level (int8_linear.cpp), looked up where a layer uses it.
+  std::optional<c10::TypedOperatorHandle<QuantizedLinearFn>> quantized_linear_int8_;
+};
+
+}  // namespace
+
+PIPELLM_LIBRARY_FRAGMENT(m) {
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
+                       int64_t, int64_t, double, double>())
+      .def("set_caches", &DecodeLayers::set_caches)
+      .def("forward", &DecodeLayers::forward);
+}
