@@ -68,6 +68,13 @@ def test_profile_command_writes_a_loadable_profile(tmp_path, capsys):
     assert set(profile.linear_by_stages) == {1, 2}
     assert data["measured_on"]["timing"] == "stream" and data["concurrent_slowdown"] == []
     assert not profile.stages_interfere
+    # The hand-over, from the streamed micro-batches' timestamps: P=2 sets the link, and
+    # dispatch_s is the engine loop plus P=2's submit -> stage 0 and last stage -> result.
+    hand_over = data["fit"]["hand_over"]
+    assert set(hand_over) == {"1", "2"} and hand_over["1"]["latency_s"] == 0
+    assert profile.link.latency_s == hand_over["2"]["latency_s"] >= 0
+    expected = data["fit"]["engine_loop_s"] + hand_over["2"]["dispatch_s"]
+    assert profile.link.dispatch_s == pytest.approx(expected)
 
 
 def test_profile_alone_timing_measures_the_concurrent_slowdown(tmp_path):

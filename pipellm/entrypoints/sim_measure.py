@@ -13,7 +13,10 @@ the time (so short steps weigh as much as long ones), to pipellm/sim/cost.py's l
 Stages of different sizes (P = 1 has every layer, P = 2 half) separate the per-layer terms
 from the per-step ones. The engine's own time per micro-batch (scheduling, output processing,
 statistics), which delays every micro-batch's start, is measured too, by running the real
-engine loop over zero-cost stages, and written as link.dispatch_s.
+engine loop over zero-cost stages; with the streamed timing, each micro-batch's timestamps give
+the hand-over costs (pipellm/sim/hand_over.py): link.latency_s is the median stage -> next
+stage gap, and link.dispatch_s the engine loop plus the median submit -> stage 0 and last stage
+-> result gaps (queueing behind the micro-batch before excluded; the simulator adds it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from pipellm.sim.cost import LinearCoefficients, LinearStageCost
+from pipellm.sim.hand_over import HandOver, MicroBatchRecord, hand_over
 from pipellm.sim.shapes import BatchShape
 
 # (cached context, scheduled tokens) of each request in a grid micro-batch.
@@ -210,7 +214,7 @@ def time_pipeline(config: Any, repeats: int) -> tuple[list[Sample], list[tuple[B
     return samples, slowdowns
 
 
-def time_streamed(config: Any, repeats: int, passes: int = 2) -> list[Sample]:
+def time_streamed(config: Any, repeats: int, passes: int = 2) -> tuple[list[Sample], HandOver]:
     """Every grid point's stage times as the engine's own executor runs them: one unbroken
     stream of micro-batches with the engine's in-flight depth (P plus the spare ones of
     --pp-async-batch-depth), so every stage computes while the others do and its inputs,
@@ -220,7 +224,10 @@ def time_streamed(config: Any, repeats: int, passes: int = 2) -> list[Sample]:
 
     Why not the stage alone: replaying a real balanced P=2 run's micro-batches through the mp
     executor took ~10 s of stage time per stage with 2 in flight and 12-13 s with 3 in flight,
-    the engine's depth, where the real run took 12 s (docs/simulation.md)."""
+    the engine's depth, where the real run took 12 s (docs/simulation.md).
+
+    Every micro-batch's submit time, stage times and result time also give the hand-over
+    costs (pipellm/sim/hand_over.py): link.latency_s and the executor's part of dispatch_s."""
     from pipellm.executor.factory import make_executor
 
     executor = make_executor(config)
@@ -230,12 +237,16 @@ def time_streamed(config: Any, repeats: int, passes: int = 2) -> list[Sample]:
     times: list[list[list[float]]] = [[[] for _ in range(config.pipeline_parallel_size)]
                                       for _ in points]  # fmt: skip
     shapes: list[BatchShape | None] = [None] * len(points)
-    in_flight: deque[tuple[int, bool, Any]] = deque()
+    in_flight: deque[tuple[int, bool, Any, float]] = deque()
     previous: list[str] = []
+    records: list[MicroBatchRecord] = []
 
     def collect() -> None:
-        index, timed, future = in_flight.popleft()
+        index, timed, future, submitted = in_flight.popleft()
         output = future.result()
+        # result() can return just before the done callback has run: then it is now.
+        resulted = getattr(future, "resulted", time.time())
+        records.append(MicroBatchRecord(submitted, output.stage_times, resulted))
         if timed:
             for stage, (started, ended) in enumerate(output.stage_times):
                 times[index][stage].append(ended - started)
@@ -251,7 +262,12 @@ def time_streamed(config: Any, repeats: int, passes: int = 2) -> list[Sample]:
                     output.freed_request_ids = previous
                     previous = [r.request_id for r in output.requests]
                     shapes[index] = BatchShape.of(output)
-                    in_flight.append((index, copy > 0, executor.submit(output)))
+                    submitted = time.time()  # the stages' clock (pipeline_stage.py)
+                    future = executor.submit(output)
+                    # When the result reaches this process: the executor's reader thread
+                    # resolves the future and runs the callback.
+                    future.add_done_callback(lambda f: setattr(f, "resulted", time.time()))
+                    in_flight.append((index, copy > 0, future, submitted))
                     if len(in_flight) >= depth:
                         collect()
         while in_flight:
@@ -259,7 +275,7 @@ def time_streamed(config: Any, repeats: int, passes: int = 2) -> list[Sample]:
     finally:
         executor.shutdown()
     specs = [config.stage(stage) for stage in range(config.pipeline_parallel_size)]
-    return [
+    samples = [
         Sample(
             spec.layer_end - spec.layer_start,
             spec.is_last,
@@ -270,6 +286,7 @@ def time_streamed(config: Any, repeats: int, passes: int = 2) -> list[Sample]:
         for index, shape in enumerate(shapes)
         if shape is not None
     ]
+    return samples, hand_over(records)
 
 
 def fit(samples: list[Sample]) -> tuple[LinearCoefficients, list[float]]:
@@ -364,6 +381,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(p) for p in args.pipeline_parallel_sizes.split(",")]
     samples: dict[int, list[Sample]] = {}
     slowdowns: dict[int, list[float]] = {}
+    hand_overs: dict[int, HandOver] = {}
     for size in sizes:
         config = EngineConfig(
             model=args.model,
@@ -374,7 +392,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         )
         if args.timing == "stream":
             print(f"timing the {size} stage(s) of P={size} in a full pipeline ...", flush=True)
-            samples[size] = time_streamed(config, args.repeats)
+            samples[size], hand_overs[size] = time_streamed(config, args.repeats)
+            print(f"P={size} hand-over (medians): stage -> stage "
+                  f"{hand_overs[size].latency_s * 1e3:.2f} ms, submit -> stage 0 plus last "
+                  f"stage -> result {hand_overs[size].dispatch_s * 1e3:.2f} ms")  # fmt: skip
             continue
         print(f"timing the {size} stage(s) of P={size}, alone and together ...", flush=True)
         samples[size], together = time_pipeline(config, args.repeats)
@@ -401,8 +422,16 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     if factors:
         print("concurrent_slowdown (k stages computing at once, k = 1, 2, ...): " +
               ", ".join(f"{f:.2f}" for f in factors))  # fmt: skip
-    dispatch = engine_seconds_per_step(config)
-    print(f"engine loop: {dispatch * 1e3:.2f} ms per micro-batch (link.dispatch_s)")
+    engine_loop = engine_seconds_per_step(config)
+    print(f"engine loop: {engine_loop * 1e3:.2f} ms per micro-batch")
+    # The largest P streamed sets the link (the pipeline whose hand-over matters; P = 1 has
+    # none between stages); without streaming (--timing alone) the hand-over stays 0.
+    measured = hand_overs[max(hand_overs)] if hand_overs else HandOver(0.0, 0.0)
+    dispatch = engine_loop + measured.dispatch_s
+    print(
+        f"link.latency_s {measured.latency_s * 1e3:.2f} ms, link.dispatch_s {dispatch * 1e3:.2f} "
+        "ms (engine loop + submit -> stage 0 + last stage -> result)"
+    )
     machine = platform.processor() or platform.machine()
     abs_errors = [abs(e) for e in errors]
     result = {
@@ -411,7 +440,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "linear": asdict(coefficients),
         "linear_by_stages": {str(size): asdict(c) for size, c in by_size.items()},
         "concurrent_slowdown": factors,
-        "link": {"dispatch_s": dispatch},
+        "link": {"latency_s": measured.latency_s, "dispatch_s": dispatch},
         "measured_on": {
             "model": config.model_name,
             "num_threads": args.num_threads,
@@ -423,6 +452,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             "mean_abs_error": statistics.mean(abs_errors),
             "max_abs_error": max(abs_errors),
             "slowdowns": {str(size): ratios for size, ratios in slowdowns.items()},
+            "engine_loop_s": engine_loop,
+            "hand_over": {str(size): asdict(h) for size, h in hand_overs.items()},
             "samples": [
                 {
                     "pipeline_parallel_size": size,
