@@ -71,6 +71,10 @@ def test_one_stage_runs_rank_0_in_the_engine_and_a_killed_rank_is_a_clear_error(
         assert time.monotonic() - started < 10
         with pytest.raises(WorkerDiedError, match=gone):  # and stays so
             executor.check_health()
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=gone):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert time.monotonic() - started < 10
     finally:
         llm.shutdown()
 
