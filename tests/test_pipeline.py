@@ -198,6 +198,11 @@ def test_a_killed_stage_is_a_clear_error_not_a_hang(six_layers, reaped):
         with pytest.raises(WorkerDiedError, match="stage 1"):
             llm.generate(prompts * 20, SamplingParams(max_tokens=200), use_tqdm=False)
         assert time.monotonic() - started < 10
+        # The engine stays failed: a later call is the same clear error, never a hang.
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="stage 1"):
+            llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+        assert time.monotonic() - started < 10
     finally:
         llm.shutdown()
 

@@ -4,12 +4,18 @@ clear refusals before any process starts, and a shared-memory all-reduce that le
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from pipellm import LLM, SamplingParams
 from pipellm.config import ConfigError, EngineConfig
+from pipellm.executor.base import WorkerDiedError
+from pipellm.executor.tp_driver import TensorParallelDriverExecutor
 from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
 from pipellm.model.stage_spec import StageSpec
@@ -42,6 +48,35 @@ def _tokens(directory, tp: int, pp: int, **kwargs) -> list[list[int]]:
 def test_same_tokens_on_every_grid(one_kv_head, reaped, tp, pp):
     directory, expected = one_kv_head
     assert _tokens(directory, tp, pp) == expected
+
+
+def test_one_stage_runs_rank_0_in_the_engine_and_a_killed_rank_is_a_clear_error(
+    one_kv_head, reaped
+):
+    """T = 2, P = 1 on mp: rank 0 computes in the engine's process (the grid test above
+    checks its tokens), rank 1 in its own; the segment's name is gone once both mapped it;
+    killing rank 1 names it instead of hanging rank 0 at an all-reduce."""
+    directory, _ = one_kv_head
+    llm = LLM(str(directory), tensor_parallel_size=2, num_threads=1, max_num_seqs=4)
+    try:
+        executor = llm.engine.executor
+        assert isinstance(executor, TensorParallelDriverExecutor)
+        assert len(executor.processes) == 1
+        assert not list(Path("/dev/shm").glob(f"pipellm-tp-{os.getpid()}-*"))
+        os.kill(executor.processes[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        gone = r"tensor-parallel rank 1 \(pid \d+\) was killed by SIGKILL"
+        with pytest.raises(WorkerDiedError, match=gone):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert time.monotonic() - started < 10
+        with pytest.raises(WorkerDiedError, match=gone):  # and stays so
+            executor.check_health()
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=gone):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert time.monotonic() - started < 10
+    finally:
+        llm.shutdown()
 
 
 def _param_bytes(model: torch.nn.Module) -> int:

@@ -152,6 +152,15 @@ def profiled_stage_main(config, rank, port, conn, parent_pid) -> None:
     _dump(f"rank{rank}")
 
 
+def profiled_rank_main(config, tp_rank, segment, conn, parent_pid) -> None:
+    """pipellm.executor.tp_driver.rank_main with the timers (ranks 1.. of one stage)."""
+    from pipellm.executor import tp_driver
+
+    _instrument_worker()
+    tp_driver.rank_main(config, tp_rank, segment, _TimedConn(conn), parent_pid)
+    _dump(f"rank{tp_rank}")
+
+
 def _instrument_engine(core) -> None:
     """Timers on the engine side (its own process)."""
     from pipellm.executor.pending import PendingOutputs
@@ -201,6 +210,7 @@ def _run(engine_args: dict, args: argparse.Namespace, seqs: int, out_dir: str) -
     from pipellm.config import EngineConfig
     from pipellm.engine.core import EngineCore
     from pipellm.executor import mp as mp_executor
+    from pipellm.executor import tp_driver
     from pipellm.sampling_params import SamplingParams
 
     RECORDS.clear()
@@ -212,12 +222,13 @@ def _run(engine_args: dict, args: argparse.Namespace, seqs: int, out_dir: str) -
         enable_prefix_caching=False,
         **engine_args,
     )
-    original = mp_executor.stage_main
-    mp_executor.stage_main = profiled_stage_main  # the process target, looked up at start
+    # The process targets, looked up when the executor starts its processes.
+    originals = mp_executor.stage_main, tp_driver.rank_main
+    mp_executor.stage_main, tp_driver.rank_main = profiled_stage_main, profiled_rank_main
     try:
         core = EngineCore(config)
     finally:
-        mp_executor.stage_main = original
+        mp_executor.stage_main, tp_driver.rank_main = originals
     _instrument_engine(core)
     rng = random.Random(0)
     vocab = config.model_config.vocab_size
@@ -243,8 +254,8 @@ def _run(engine_args: dict, args: argparse.Namespace, seqs: int, out_dir: str) -
     for path in sorted(Path(out_dir).glob("rank*.json")):
         ranks[path.stem] = {int(k): v for k, v in json.loads(path.read_text()).items()}
         path.unlink()
-    if not ranks:  # one process: the worker's timers ran in the engine's process
-        ranks["in-process"] = engine
+    if "rank0" not in ranks:  # rank 0 (or the only worker) ran in the engine's process
+        ranks = {"in-process": engine, **ranks}
     # Pure decode steps of all `seqs` sequences: the rank saw exactly `seqs` rows, 1 each.
     return {"engine": engine, "ranks": ranks, "steps": decode_steps}
 
@@ -278,7 +289,7 @@ def _summary(result: dict, seqs: int, skip: int) -> dict[str, dict[str, float]]:
         }
         row["sample"] = median([r.get("sample", 0.0) for _, r in rs])
         if name != "in-process":
-            row["hand-over"] = median([r["at_received"] - e["at_submitted"] for e, r in rs])
+            row["hand-over"] = median([r["at_received"] - e["at_submit"] for e, r in rs])
             row["recv->execute"] = median([r["at_execute"] - r["at_received"] for _, r in rs])
         if "at_send" in (rs[0][1] if rs else {}):
             row["return"] = median([e["at_apply"] - r["at_send"] for e, r in rs if "at_send" in r])

@@ -25,7 +25,7 @@ from pipellm.engine.pipeline_stats import PipelineStats
 from pipellm.engine.prompt_check import check_prompt
 from pipellm.engine.request import Request
 from pipellm.engine.scheduler import Scheduler, SchedulerConfig
-from pipellm.executor.base import Executor
+from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.factory import make_executor
 from pipellm.loader.source import resolve_model
 from pipellm.protocol import EngineOutput, EngineStats, ModelOutput, SchedulerOutput
@@ -98,6 +98,9 @@ class EngineCore:
         # prompts are being computed.
         self.max_in_flight = config.max_micro_batches_in_flight
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
+        # Why a micro-batch failed, once one has: its requests never got their results, so
+        # the scheduler cannot go on, and every later step raises this instead of idling.
+        self.failure: str | None = None
         self.texts: dict[str, TextState] = {}
         self.samples: dict[str, list[str]] = {}  # request id -> its unfinished samples' ids
         self.pipeline_stats = PipelineStats(self.num_stages, clock=clock)
@@ -160,7 +163,11 @@ class EngineCore:
     # ---- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
-        """Submits micro-batches until the queue is full, then applies the oldest result."""
+        """Submits micro-batches until the queue is full, then applies the oldest result.
+        A failed micro-batch (a dead or failed stage) raises here, and so does every later
+        call: the engine does not recover from it."""
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
         while len(self.in_flight) < self.max_in_flight:
             if len(self.in_flight) >= self.num_stages and not self.scheduler.has_prompt_work():
                 # A spare slot holds prompt work only. Decodes wait for their last token anyway,
@@ -184,8 +191,15 @@ class EngineCore:
             self.in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
         if not self.in_flight:
             return []
-        scheduler_output, future = self.in_flight.popleft()
-        model_output = future.result()
+        scheduler_output, future = self.in_flight[0]
+        try:
+            model_output = future.result()
+        except Exception as error:
+            self.failure = str(error) or type(error).__name__
+            raise
+        # Only now: an interrupt (Ctrl-C) while waiting leaves the micro-batch queued, so a
+        # later step applies its result and its requests can go on.
+        self.in_flight.popleft()
         self.pipeline_stats.on_done(scheduler_output.micro_batch_id, model_output.stage_times)
         self._maybe_log_stats()
         return self._apply(scheduler_output, model_output)

@@ -14,6 +14,10 @@ def make_executor(config: EngineConfig) -> Executor:
 
         return UniProcExecutor(config)
     if backend == "mp":
+        from pipellm.executor.tp_driver import TensorParallelDriverExecutor, driver_applies
+
+        if driver_applies(config):  # T > 1, one stage: rank 0 in this process
+            return TensorParallelDriverExecutor(config)
         from pipellm.executor.mp import MultiprocExecutor
 
         return MultiprocExecutor(config)

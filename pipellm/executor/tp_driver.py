@@ -1,0 +1,233 @@
+"""Tensor parallelism without pipeline stages (T > 1, P = 1) on the mp backend: tensor-parallel
+rank 0 runs in the engine's own process, ranks 1..T-1 in processes of their own.
+
+vLLM's driver worker does the same (its rank 0 lives in the engine's process). The general mp
+backend (executor/mp.py) gives every rank a process, so a decode step costs a third process on
+the cores, the schedule pickled to T pipes, and the result's return through a pipe, a reader
+thread and a future: ~0.65 ms of a one-sequence step here (bench/tp_decode_profile.py,
+docs/benchmarks.md, "Tensor parallelism, fourth pass"). Here rank 0 computes in `submit`, as
+one process with threads would, and only the other ranks need the schedule.
+
+The ranks meet only through the shared-memory communicator (parallel/shm_comm.py): with one
+stage there are no hidden states to pass, so no torch.distributed group at all. The engine's
+process creates the segment, each rank maps it before it reports ready, and the name is
+removed as soon as all have (or on any failure), so no segment outlives the group. A rank that
+dies is found by the communicator's liveness check (~100 ms) while rank 0 waits for it at an
+all-reduce, and named in the error.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import secrets
+import threading
+import time
+import traceback
+import weakref
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from pipellm.config import EngineConfig
+from pipellm.executor.base import Executor, WorkerDiedError
+from pipellm.executor.mp import STARTUP_TIMEOUT_S, _exit_with_parent, exit_cause, join_or_kill
+from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady
+
+
+def driver_applies(config: EngineConfig) -> bool:
+    """One stage, T > 1, mp, and the shared-memory all-reduce available (it needs no
+    process group); PIPELLM_TP_COMM=gloo keeps the general backend, which has one."""
+    if config.tensor_parallel_size == 1 or config.pipeline_parallel_size != 1:
+        return False
+    from pipellm.parallel.shm_comm import shm_comm_available
+    from pipellm.parallel.tp_group import COMM_ENV
+
+    return os.environ.get(COMM_ENV, "auto") != "gloo" and shm_comm_available()
+
+
+class TensorParallelDriverExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        from pipellm.parallel.shm_comm import (
+            PREFIX,
+            SLOT_BYTES,
+            ShmComm,
+            _library,
+            remove_stale_segments,
+        )
+
+        self.tp_size = config.tensor_parallel_size
+        self.dead: str | None = None
+        self._closed = False
+        lib = _library()
+        remove_stale_segments()
+        name = f"/{PREFIX}{os.getpid()}-0-{secrets.token_hex(4)}"
+        self.comm = ShmComm(lib.open(name, True, self.tp_size, 0, SLOT_BYTES), self.tp_size, 0)
+        context = mp.get_context("spawn")
+        self.processes: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        try:
+            for tp_rank in range(1, self.tp_size):
+                parent_conn, child_conn = context.Pipe()
+                process = context.Process(
+                    target=rank_main,
+                    args=(config, tp_rank, name, child_conn, os.getpid()),
+                    name=f"pipellm-tp-rank-{tp_rank}",
+                    daemon=True,
+                )
+                process.start()
+                child_conn.close()
+                self.processes.append(process)
+                self.conns.append(parent_conn)
+            self._finalizer = weakref.finalize(self, _reap, self.processes, self.conns, self.comm)
+            # Rank 0 loads its share here while the other ranks load theirs.
+            from pipellm.worker.worker import StageWorker
+
+            torch.set_num_threads(config.threads_per_stage)
+            self.worker = StageWorker(config, 0, 0, self.comm)
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            lib.unlink(name)  # every rank mapped it, or failed: the name goes either way
+
+    def _rank_label(self, index: int) -> str:
+        process = self.processes[index]
+        return f"tensor-parallel rank {index + 1} (pid {process.pid})"
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(range(len(self.processes)))
+        while waiting:
+            watched = {self.conns[i]: i for i in waiting}
+            watched.update({self.processes[i].sentinel: i for i in waiting})
+            ready = wait(list(watched), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerDiedError("tensor-parallel ranks did not start within the timeout")
+            for item in ready:
+                i = watched[item]
+                if i not in waiting:
+                    continue
+                if not self.conns[i].poll():
+                    raise WorkerDiedError(f"{self._rank_label(i)} exited while starting")
+                message: StageReady | StageFailed = self.conns[i].recv()
+                if isinstance(message, StageFailed):
+                    raise WorkerDiedError(
+                        f"{self._rank_label(i)} failed to start:\n{message.traceback}"
+                    )
+                waiting.discard(i)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
+        future: Future[ModelOutput] = Future()
+        if self.dead is not None:
+            future.set_exception(WorkerDiedError(self.dead))
+            return future
+        try:
+            payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+            for conn in self.conns:
+                conn.send_bytes(payload)
+            started = time.time()
+            output = self.worker.execute(scheduler_output)
+            output.stage_times = [(started, time.time())]
+            future.set_result(output)
+        except (OSError, RuntimeError) as error:
+            # A peer gone (a closed pipe, or the all-reduce's liveness check) or failed: say
+            # which rank and why; rank 0's own errors are re-raised as they are.
+            reason = self._dead_peer_reason()
+            if reason is None:
+                # Rank 0's own error: the other ranks may wait at a collective it never
+                # reached, so nothing more can run (shutdown kills them).
+                self.dead = f"tensor-parallel rank 0 failed: {type(error).__name__}: {error}"
+                future.set_exception(error)
+                return future
+            self.dead = reason
+            future.set_exception(WorkerDiedError(reason))
+        return future
+
+    def _dead_peer_reason(self) -> str | None:
+        """Why a rank process stopped (its traceback's last line if it sent one), or None
+        if every rank is alive. Waits a moment for a dying rank's exit to show."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            for i, process in enumerate(self.processes):
+                conn = self.conns[i]
+                try:
+                    failed = conn.recv() if conn.poll() else None
+                except (EOFError, OSError):
+                    failed = None
+                if isinstance(failed, StageFailed):
+                    lines = failed.traceback.strip().splitlines() or ["?"]
+                    return f"{self._rank_label(i)} failed: {lines[-1][:200]}"
+                if not process.is_alive():
+                    process.join(timeout=1.0)  # the exit code is set on join
+                    return f"{self._rank_label(i)} {exit_cause(process.exitcode)}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
+        for i, process in enumerate(self.processes):
+            if not process.is_alive():
+                raise WorkerDiedError(f"{self._rank_label(i)} is not running")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.dead is None:
+            self.dead = "the executor was shut down"
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:  # failed before the finalizer existed
+            _reap(self.processes, self.conns, self.comm)
+
+
+def _reap(processes: list[mp.process.BaseProcess], conns: list[Connection], comm) -> None:
+    """Asks every rank to stop, kills whichever does not within 5 s, then unmaps."""
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(None))
+        except OSError:
+            pass
+    join_or_kill(processes, timeout_s=5.0)
+    for conn in conns:
+        conn.close()
+    comm.close()
+
+
+# ---- inside a rank's process -----------------------------------------------------------------
+
+
+def rank_main(
+    config: EngineConfig, tp_rank: int, segment: str, conn: Connection, parent_pid: int
+) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        from pipellm.parallel.shm_comm import SLOT_BYTES, ShmComm, _library
+        from pipellm.worker.worker import StageWorker
+
+        torch.set_num_threads(config.threads_per_stage)
+        size = config.tensor_parallel_size
+        comm = ShmComm(_library().open(segment, False, size, tp_rank, SLOT_BYTES), size, tp_rank)
+        worker = StageWorker(config, 0, tp_rank, comm)
+        conn.send(StageReady())
+    except BaseException:
+        conn.send(StageFailed(traceback.format_exc()))
+        return
+    try:
+        scheduler_output = pickle.loads(conn.recv_bytes())
+        while scheduler_output is not None:
+            worker.execute(scheduler_output)
+            scheduler_output = pickle.loads(conn.recv_bytes())
+        comm.close()
+    except BaseException:
+        try:
+            conn.send(StageFailed(traceback.format_exc()))
+        finally:
+            os._exit(1)  # rank 0 waits on this rank at the next all-reduce: it sees it gone
