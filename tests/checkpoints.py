@@ -63,6 +63,7 @@ def make_tiny_checkpoint(
     seed: int = 0,
     max_shard_size: str | None = None,
     num_kv_heads: int = 2,
+    num_heads: int = 4,
 ) -> Path:
     """Write a tiny seeded Hugging Face checkpoint into `directory` and return it.
 
@@ -72,7 +73,9 @@ def make_tiny_checkpoint(
     biases and norms included, is random (std 0.1) so that logits are decisive and a wrongly
     loaded tensor shows. max_shard_size (e.g. "20KB") splits the weights into several
     .safetensors files with model.safetensors.index.json; num_kv_heads=1 makes KV heads fewer
-    than two tensor-parallel ranks. The folder also holds tokenizer.json
+    than two tensor-parallel ranks; num_heads=6 with num_kv_heads=3 (heads of 16 still, so
+    q_proj is 96 wide) gives two ranks uneven query groups, as SmolLM2's 9 and 3 do
+    (model/tp_plan.py). The folder also holds tokenizer.json
     and tokenizer_config.json (ChatML template, bos <|im_start|>, eos <|im_end|>).
     """
     directory = Path(directory)
@@ -82,12 +85,13 @@ def make_tiny_checkpoint(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
+        num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
         tie_word_embeddings=arch == "tied",
+        **({} if num_heads == 4 else {"head_dim": 16}),
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

@@ -18,6 +18,7 @@ from pipellm.model.forward_batch import ForwardBatch, PrefillChunk
 from pipellm.model.gguf_linear import QuantizedWeight
 from pipellm.model.llama import LlamaStage
 from pipellm.model.stage_spec import StageSpec
+from pipellm.parallel.comm import GlooComm
 from tests.checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -158,8 +159,33 @@ def test_switched_off_or_uncovered_stages_keep_the_python_path(checkpoint, monke
     assert why_not_fused(stage) is None
     stage.layers[1].mlp.down_proj = torch.nn.Linear(128, 64)  # e.g. a layer left to PyTorch
     assert "Linear" in why_not_fused(stage)
+    stage.comm = GlooComm.__new__(GlooComm)  # ranks on several hosts: torch.distributed's
+    assert "over GlooComm" in why_not_fused(stage)
+    stage.comm = None
     monkeypatch.setattr(decode_fast_path, "cpu_kernels_available", lambda: False)
     assert "kernels are not used" in why_not_fused(stage)
+
+
+def test_uneven_query_groups_reach_the_attention_kernel(checkpoint):
+    """A tensor-parallel rank's runs of query heads per KV head may differ (SmolLM2's 9 and 3
+    heads over 2 ranks, model/tp_plan.py): here 1 and 3 of the 4 query heads, set on the
+    layers as a rank's plan would. The fused path matches the Python path with them, and
+    differs from the even split, so they did reach the kernel."""
+    stage = tiny_stage(checkpoint, StageSpec(0, 1, 0, 4), "float32")
+    even = stage.decode_fast_path
+    for layer in stage.layers:
+        layer.self_attn.group_starts = (0, 1, 4)
+    assert why_not_fused(stage) is None
+    uneven = DecodeFastPath(stage)
+    batch = decode_batch([6, 3])
+    inputs = torch.tensor([5, 6])
+    out = {}
+    with torch.inference_mode():
+        for name, path in (("python", None), ("uneven", uneven), ("even", even)):
+            stage.decode_fast_path = path
+            out[name] = stage(inputs, batch, random_caches(stage, 0))
+    assert torch.equal(out["uneven"], out["python"])
+    assert not torch.allclose(out["even"], out["python"])
 
 
 def test_generate_gives_the_same_greedy_tokens_without_it(checkpoint, fast_calls, monkeypatch):

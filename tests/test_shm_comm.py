@@ -42,6 +42,9 @@ def _member(rank: int, port: int, results: mp.Queue) -> None:
         )
         comm = make_tensor_parallel_comm(1, 2, 0)
         out = {name: comm.all_reduce_(x.clone()) for name, x in _inputs(rank).items()}
+        # The same collective as the op C++ callers use (kernels/decode_layers.cpp).
+        out["decode_op"] = _inputs(rank)["decode"]
+        torch.ops.pipellm_shm.all_reduce_(out["decode_op"], comm.handle)
         out["gather"] = comm.all_gather(torch.full((3, 5), float(rank)))
         out["gather_chunked"] = comm.all_gather(_inputs(rank)["chunked"].view(2, -1))
         # As numpy arrays: a tensor would travel as a shared fd that dies with this process.
@@ -90,6 +93,7 @@ def test_exact_sums_and_gathers_then_a_dead_rank_raises_and_leaves_no_segment(re
         expected = (a[name] + b[name]).float()
         assert torch.equal(got[0][name], got[1][name]), "every rank holds the same bits"
         torch.testing.assert_close(got[0][name], expected, rtol=0, atol=0)
+    assert torch.equal(got[0]["decode_op"], got[0]["decode"])
     assert torch.equal(got[0]["gather"], torch.tensor([[0.0] * 5 + [1.0] * 5] * 3))
     parts = [x["chunked"].view(2, -1) for x in (a, b)]
     assert torch.equal(got[1]["gather_chunked"], torch.cat(parts, dim=-1))

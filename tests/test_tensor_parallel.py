@@ -17,6 +17,7 @@ from pipellm.config import ConfigError, EngineConfig
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.tp_driver import TensorParallelDriverExecutor
 from pipellm.loader.weights import iter_quantized_weights, iter_weights
+from pipellm.model.decode_fast_path import FAST_PATH_ENV, why_not_fused
 from pipellm.model.llama import LlamaStage
 from pipellm.model.stage_spec import StageSpec
 from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
@@ -77,6 +78,30 @@ def test_one_stage_runs_rank_0_in_the_engine_and_a_killed_rank_is_a_clear_error(
         assert time.monotonic() - started < 10
     finally:
         llm.shutdown()
+
+
+def test_fused_decode_path_with_uneven_query_groups(tmp_path, reaped, monkeypatch):
+    """6 query / 3 KV heads over 2 ranks: 3 query heads each, in runs of 2 + 1 and 1 + 2 per
+    KV head (model/tp_plan.py). Both ranks decode on the fused path (kernels/decode_layers.cpp:
+    the shared-memory all-reduce called from C++) and give the Python path's greedy tokens."""
+    directory = make_tiny_checkpoint(
+        tmp_path, arch="llama", num_layers=2, num_heads=6, num_kv_heads=3
+    )
+    mc = EngineConfig(str(directory)).model_config
+    assert [plan_tensor_parallel(mc, 2, r).kv_group_starts for r in (0, 1)] == [
+        (0, 2, 3),
+        (0, 1, 3),
+    ]
+    tokens = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setenv(FAST_PATH_ENV, "0")  # the ranks' processes inherit it
+        with LLM(str(directory), tensor_parallel_size=2, num_threads=1, max_num_seqs=4) as llm:
+            model = llm.engine.executor.worker.model  # rank 0, in the engine's process
+            assert (model.decode_fast_path is not None) == fused, why_not_fused(model)
+            outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+            tokens[fused] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens[True] == tokens[False]
 
 
 def _param_bytes(model: torch.nn.Module) -> int:

@@ -7,8 +7,13 @@
 // one-sequence step goes"). Here the glue is C++: each layer calls the SAME kernels, in the
 // SAME order and on the same inputs as LlamaStage's Python path (model/llama.py), through the
 // dispatcher with typed handles looked up once, so the hidden states are bit-identical; the
-// Python path stays the reference and the fallback (prefills, mixed batches, tensor
-// parallelism, models the kernels do not cover).
+// Python path stays the reference and the fallback (prefills, mixed batches, models the
+// kernels do not cover).
+//
+// With tensor parallelism each rank runs its share of the layers here too: after o_proj and
+// after down_proj, where the Python path's Attention and MLP all-reduce, it calls the same
+// shared-memory all-reduce (pipellm/parallel/shm_comm.cpp, registered as the op
+// pipellm_shm::all_reduce_), and the attention kernel gets the rank's uneven query groups.
 //
 // A DecodeLayers object (a TorchScript custom class) holds a stage's weights, built once at
 // load; the KV caches, allocated after the weights, are bound later with set_caches.
@@ -46,6 +51,7 @@ using RotaryFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                          at::OptionalIntArrayRef);
+using AllReduceFn = void(const at::Tensor&, int64_t);
 
 // How a linear layer computes (model/linear.py's PackedLinear, model/gguf_linear.py's
 // QuantizedLinear); the Python side passes these codes.
@@ -65,12 +71,18 @@ class DecodeLayers : public torch::CustomClassHolder {
  public:
   // Per layer, in order: norms = (input_layernorm, post_attention_layernorm) weights; the
   // linears (qkv_proj, o_proj, gate_up_proj, down_proj) as weights, biases (an empty tensor:
-  // none), methods, kinds and out_features.
+  // none), methods, kinds and out_features. group_starts: each KV head's first query head
+  // and the end (model/tp_plan.py's kv_group_starts), empty where the groups are even.
+  // all_reduce_handle: the tensor-parallel group's shared-memory communicator (ShmComm's
+  // handle), 0 without tensor parallelism.
   DecodeLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
                std::vector<at::Tensor> biases, std::vector<int64_t> methods,
                std::vector<int64_t> kinds, std::vector<int64_t> out_features, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double scale, double eps)
+               int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
+               std::vector<int64_t> group_starts, int64_t all_reduce_handle)
       : norms_(std::move(norms)),
+        group_starts_(std::move(group_starts)),
+        all_reduce_handle_(all_reduce_handle),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -83,6 +95,14 @@ class DecodeLayers : public torch::CustomClassHolder {
         silu_and_mul_(level_op<SiluAndMulFn>("silu_and_mul")),
         rotary_and_cache_(level_op<RotaryFn>("rotary_and_cache_")),
         paged_decode_attention_(level_op<AttentionFn>("paged_decode_attention")) {
+    TORCH_CHECK(group_starts_.empty() ||
+                    static_cast<int64_t>(group_starts_.size()) == num_kv_heads + 1,
+                "DecodeLayers: group_starts holds num_kv_heads + 1 offsets");
+    // By name, and only here: without tensor parallelism the shm library need not be loaded.
+    if (all_reduce_handle_ != 0)
+      all_reduce_ = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("pipellm_shm::all_reduce_", "")
+                        .typed<AllReduceFn>();
     const size_t count = weights.size();
     TORCH_CHECK(count % kLinearsPerLayer == 0 && biases.size() == count &&
                     methods.size() == count && kinds.size() == count &&
@@ -141,17 +161,29 @@ class DecodeLayers : public torch::CustomClassHolder {
       const at::Tensor q = qkv.narrow(1, 0, num_heads_);
       const at::Tensor attended = at::empty(q.sizes(), q.options());
       paged_decode_attention_.call(attended, q, key_cache, value_cache, block_tables,
-                                   context_lens, scale_, std::nullopt);
+                                   context_lens, scale_, group_starts());
       const at::Tensor out = apply(linear[1], attended.view({tokens, -1}));
+      all_reduce(out);  // Attention.forward's
       h = add_rms_norm_.call(out, residual, norms_[kNormsPerLayer * l + 1], eps_);
       // MLP.forward
       x = apply(linear[3], silu_and_mul_.call(apply(linear[2], h)));
+      all_reduce(x);  // MLP.forward's
       residual = out;
     }
     return x.add_(residual);
   }
 
  private:
+  at::OptionalIntArrayRef group_starts() const {
+    if (group_starts_.empty()) return std::nullopt;
+    return at::IntArrayRef(group_starts_);
+  }
+
+  // The row-parallel partial sums added over the ranks, in place; nothing without TP.
+  void all_reduce(const at::Tensor& x) {
+    if (all_reduce_) all_reduce_->call(x, all_reduce_handle_);
+  }
+
   at::Tensor apply(const Linear& linear, const at::Tensor& x) {
     switch (linear.method) {
       case kPacked:
@@ -169,6 +201,8 @@ class DecodeLayers : public torch::CustomClassHolder {
   std::vector<at::Tensor> norms_;
   std::vector<Linear> linears_;
   std::vector<at::Tensor> caches_;
+  std::vector<int64_t> group_starts_;
+  int64_t all_reduce_handle_;
   int64_t num_layers_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_, eps_;
@@ -181,6 +215,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   c10::TypedOperatorHandle<AttentionFn> paged_decode_attention_;
   // Only on the avx512 level (int8_linear.cpp), looked up where a layer uses it.
   std::optional<c10::TypedOperatorHandle<QuantizedLinearFn>> quantized_linear_int8_;
+  std::optional<c10::TypedOperatorHandle<AllReduceFn>> all_reduce_;
 };
 
 }  // namespace
@@ -189,7 +224,7 @@ PIPELLM_LIBRARY_FRAGMENT(m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
-                       int64_t, int64_t, double, double>())
+                       int64_t, int64_t, double, double, std::vector<int64_t>, int64_t>())
       .def("set_caches", &DecodeLayers::set_caches)
       .def("forward", &DecodeLayers::forward);
 }

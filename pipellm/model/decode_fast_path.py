@@ -5,8 +5,13 @@ the kernel wrappers' checks, views, a torch.ops dispatch per kernel): measured 3
 against 181 us for its kernels alone (docs/benchmarks.md, "Where a one-sequence step goes").
 DecodeLayers (pipellm/kernels/decode_layers.cpp) runs the same kernels in the same order with
 the glue in C++, so its hidden states are bit-identical to the Python path's, which stays the
-reference and serves everything else: prefills and mixed batches, tensor parallelism, and any
-layer the kernels do not cover. PIPELLM_DECODE_FAST_PATH=0 turns it off, e.g. to compare.
+reference and serves everything else: prefills and mixed batches, and any layer the kernels do
+not cover. PIPELLM_DECODE_FAST_PATH=0 turns it off, e.g. to compare.
+
+With tensor parallelism every rank takes it too: DecodeLayers calls the shared-memory
+all-reduce (parallel/shm_comm.cpp) where Attention and MLP call comm.all_reduce_, and passes
+the rank's uneven query groups to the attention kernel. Over gloo (ranks on several hosts)
+the all-reduce is torch.distributed's, out of C++'s reach: those ranks keep the Python path.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pipellm.kernels.cpu_kernels import (
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.model.gguf_linear import QuantizedLinear
 from pipellm.model.linear import PackedLinear
+from pipellm.parallel.shm_comm import ShmComm
 
 FAST_PATH_ENV = "PIPELLM_DECODE_FAST_PATH"
 # DecodeLayers' linear methods (decode_layers.cpp's Method).
@@ -52,15 +58,13 @@ def why_not_fused(stage: nn.Module) -> str | None:
         return f"turned off by {FAST_PATH_ENV}=0"
     if not cpu_kernels_available():
         return "pipellm's CPU kernels are not used"
-    if stage.comm is not None:
-        return "tensor parallelism (its all-reduces run between the layers' kernels)"
+    if stage.comm is not None and not isinstance(stage.comm, ShmComm):
+        return f"tensor parallelism over {type(stage.comm).__name__}, not shared memory"
     if stage.dtype != torch.float32:
         return f"the kernels take float32, the model runs {stage.dtype}"
     if stage.config.head_dim not in DECODE_ATTENTION_HEAD_DIMS:
         return f"head_dim {stage.config.head_dim} has no decode attention kernel"
     for layer in stage.layers:
-        if layer.self_attn.group_starts is not None:
-            return "uneven query groups"
         linears = (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
@@ -90,6 +94,9 @@ class DecodeFastPath:
                 kinds.append(kind)
                 out_features.append(linear.out_features)
         first = stage.layers[0].self_attn if len(stage.layers) else None
+        # Every layer of a rank holds the same heads (model/tp_plan.py).
+        group_starts = list(first.group_starts or ()) if first else []
+        self.comm = stage.comm  # kept: DecodeLayers holds its handle
         self.layers = kernel_class("DecodeLayers")(
             [norm.detach() for norm in norms],
             weights,
@@ -102,6 +109,8 @@ class DecodeFastPath:
             stage.config.head_dim,
             first.scale if first else 1.0,
             stage.config.rms_norm_eps,
+            group_starts,
+            stage.comm.handle if stage.comm is not None else 0,
         )
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 

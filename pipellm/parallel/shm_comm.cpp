@@ -23,6 +23,7 @@
 // every ~100 ms that its peers are alive (kill(pid, 0), /proc state) and throws, naming the dead one,
 // rather than hang.
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <atomic>
 #include <cerrno>
@@ -242,7 +243,16 @@ void all_gather(int64_t handle, torch::Tensor x, torch::Tensor out) {
   }
 }
 
+// The same all-reduce as an op, torch.ops.pipellm_shm.all_reduce_(x, handle), for C++ callers:
+// the fused decode path (pipellm/kernels/decode_layers.cpp) looks it up by name, only with
+// tensor parallelism, so the kernels never need this library otherwise.
+void all_reduce_op(const at::Tensor& x, int64_t handle) { all_reduce_(handle, x); }
+
 }  // namespace
+
+TORCH_LIBRARY(pipellm_shm, m) {
+  m.def("all_reduce_(Tensor(a!) x, int handle) -> ()", &all_reduce_op);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("open", &open_segment, "map (and with create, make) a group's segment; a handle");
