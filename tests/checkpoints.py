@@ -74,7 +74,7 @@ def make_tiny_checkpoint(
     loaded tensor shows. max_shard_size (e.g. "20KB") splits the weights into several
     .safetensors files with model.safetensors.index.json; num_kv_heads=1 makes KV heads fewer
     than two tensor-parallel ranks; num_heads=6 with num_kv_heads=3 (heads of 16 still, so
-    q_proj is 96 wide) gives two ranks uneven query groups, as SmolLM2's 9 and 3 do
+    hidden 96) gives two ranks uneven query groups, as SmolLM2's 9 and 3 do
     (model/tp_plan.py). The folder also holds tokenizer.json
     and tokenizer_config.json (ChatML template, bos <|im_start|>, eos <|im_end|>).
     """
@@ -82,7 +82,7 @@ def make_tiny_checkpoint(
     tokenizer = make_tiny_tokenizer()
     config = _CONFIG_CLASSES[arch](
         vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
+        hidden_size=16 * num_heads,
         intermediate_size=128,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
@@ -91,7 +91,6 @@ def make_tiny_checkpoint(
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
         tie_word_embeddings=arch == "tied",
-        **({} if num_heads == 4 else {"head_dim": 16}),
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
