@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 
@@ -45,55 +46,25 @@ class MultiprocExecutor(RemoteStagesExecutor):
         self.output_rank = (self.num_stages - 1) * tp_size
         self._pending = PendingOutputs()
         self._closed = False
-        context = mp.get_context("spawn")
         port = free_port()
-        self.processes: list[mp.process.BaseProcess] = []
-        self.conns: list[Connection] = []
-        for rank in range(self.num_ranks):
-            parent_conn, child_conn = context.Pipe()
-            process = context.Process(
-                target=stage_main,
-                args=(config, rank, port, child_conn, os.getpid()),
-                name=f"pipellm-stage-{rank}",
-                daemon=True,
-            )
-            process.start()
-            child_conn.close()
-            self.processes.append(process)
-            self.conns.append(parent_conn)
+        self.processes, self.conns = spawn_with_pipes(
+            stage_main,
+            [(f"pipellm-stage-{rank}", (config, rank, port)) for rank in range(self.num_ranks)],
+        )
         # Reap the stages even if the owner forgets to call shutdown().
-        self._finalizer = weakref.finalize(self, _reap, self.processes, self.conns)
+        self._finalizer = weakref.finalize(self, reap, self.processes, self.conns)
         try:
-            self._wait_ready()
+            wait_ready(
+                self.processes,
+                self.conns,
+                lambda rank: f"pipeline stage {rank}",
+                "pipeline stages did not start within the startup timeout",
+            )
         except BaseException:
             self.shutdown()
             raise
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
-
-    def _wait_ready(self) -> None:
-        """Waits for every stage's READY; a startup error or early exit raises at once."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        waiting = set(range(self.num_ranks))
-        while waiting:
-            watched = {self.conns[r]: r for r in waiting}
-            watched.update({self.processes[r].sentinel: r for r in waiting})
-            ready = wait(list(watched), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise WorkerDiedError("pipeline stages did not start within the startup timeout")
-            for item in ready:
-                rank = watched[item]
-                if rank not in waiting:
-                    continue
-                conn = self.conns[rank]
-                if not conn.poll():
-                    raise WorkerDiedError(f"pipeline stage {rank} exited while starting")
-                message: StageReady | StageFailed = conn.recv()
-                if isinstance(message, StageFailed):
-                    raise WorkerDiedError(
-                        f"pipeline stage {rank} failed to start:\n{message.traceback}"
-                    )
-                waiting.discard(rank)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
         future = self._pending.add()
@@ -157,6 +128,59 @@ class MultiprocExecutor(RemoteStagesExecutor):
                 raise WorkerDiedError(f"pipeline stage {rank} is not running")
 
 
+def spawn_with_pipes(
+    target: Callable[..., None], jobs: list[tuple[str, tuple]]
+) -> tuple[list[mp.process.BaseProcess], list[Connection]]:
+    """Starts a spawned daemon process per (name, args) of `jobs`, running
+    target(*args, its end of a new pipe, this process's pid); returns the processes and this
+    side's pipe ends. If one fails to start, those already started are reaped."""
+    context = mp.get_context("spawn")
+    processes: list[mp.process.BaseProcess] = []
+    conns: list[Connection] = []
+    try:
+        for name, args in jobs:
+            parent_conn, child_conn = context.Pipe()
+            process = context.Process(
+                target=target, args=(*args, child_conn, os.getpid()), name=name, daemon=True
+            )
+            conns.append(parent_conn)
+            process.start()
+            child_conn.close()
+            processes.append(process)
+    except BaseException:
+        reap(processes, conns)
+        raise
+    return processes, conns
+
+
+def wait_ready(
+    processes: list[mp.process.BaseProcess],
+    conns: list[Connection],
+    label: Callable[[int], str],
+    timeout_message: str,
+) -> None:
+    """Waits for every child's StageReady on its pipe; a startup error, an early exit or
+    STARTUP_TIMEOUT_S raises WorkerDiedError at once, naming the child by `label(index)`."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    waiting = set(range(len(processes)))
+    while waiting:
+        watched = {conns[i]: i for i in waiting}
+        watched.update({processes[i].sentinel: i for i in waiting})
+        ready = wait(list(watched), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise WorkerDiedError(timeout_message)
+        for item in ready:
+            i = watched[item]
+            if i not in waiting:
+                continue
+            if not conns[i].poll():
+                raise WorkerDiedError(f"{label(i)} exited while starting")
+            message: StageReady | StageFailed = conns[i].recv()
+            if isinstance(message, StageFailed):
+                raise WorkerDiedError(f"{label(i)} failed to start:\n{message.traceback}")
+            waiting.discard(i)
+
+
 def join_or_kill(processes: list[mp.process.BaseProcess], timeout_s: float) -> None:
     """Waits up to timeout_s for each process to exit, then kills whichever is still alive:
     nothing started here outlives its caller."""
@@ -167,8 +191,8 @@ def join_or_kill(processes: list[mp.process.BaseProcess], timeout_s: float) -> N
             process.join()
 
 
-def _reap(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
-    """Asks every stage to stop, then makes sure: terminate, then kill."""
+def reap(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
+    """Asks every child to stop (None on its pipe), then makes sure: terminate, then kill."""
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(None))

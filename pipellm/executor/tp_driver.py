@@ -27,13 +27,19 @@ import time
 import traceback
 import weakref
 from concurrent.futures import Future
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
 import torch
 
 from pipellm.config import EngineConfig
 from pipellm.executor.base import Executor, WorkerDiedError
-from pipellm.executor.mp import STARTUP_TIMEOUT_S, _exit_with_parent, exit_cause, join_or_kill
+from pipellm.executor.mp import (
+    _exit_with_parent,
+    exit_cause,
+    reap,
+    spawn_with_pipes,
+    wait_ready,
+)
 from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady
 
 
@@ -65,29 +71,28 @@ class TensorParallelDriverExecutor(Executor):
         remove_stale_segments()
         name = f"/{PREFIX}{os.getpid()}-0-{secrets.token_hex(4)}"
         self.comm = ShmComm(lib.open(name, True, self.tp_size, 0, SLOT_BYTES), self.tp_size, 0)
-        context = mp.get_context("spawn")
         self.processes: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         try:
-            for tp_rank in range(1, self.tp_size):
-                parent_conn, child_conn = context.Pipe()
-                process = context.Process(
-                    target=rank_main,
-                    args=(config, tp_rank, name, child_conn, os.getpid()),
-                    name=f"pipellm-tp-rank-{tp_rank}",
-                    daemon=True,
-                )
-                process.start()
-                child_conn.close()
-                self.processes.append(process)
-                self.conns.append(parent_conn)
+            self.processes, self.conns = spawn_with_pipes(
+                rank_main,
+                [
+                    (f"pipellm-tp-rank-{tp_rank}", (config, tp_rank, name))
+                    for tp_rank in range(1, self.tp_size)
+                ],
+            )
             self._finalizer = weakref.finalize(self, _reap, self.processes, self.conns, self.comm)
             # Rank 0 loads its share here while the other ranks load theirs.
             from pipellm.worker.worker import StageWorker
 
             torch.set_num_threads(config.threads_per_stage)
             self.worker = StageWorker(config, 0, 0, self.comm)
-            self._wait_ready()
+            wait_ready(
+                self.processes,
+                self.conns,
+                self._rank_label,
+                "tensor-parallel ranks did not start within the timeout",
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -97,28 +102,6 @@ class TensorParallelDriverExecutor(Executor):
     def _rank_label(self, index: int) -> str:
         process = self.processes[index]
         return f"tensor-parallel rank {index + 1} (pid {process.pid})"
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        waiting = set(range(len(self.processes)))
-        while waiting:
-            watched = {self.conns[i]: i for i in waiting}
-            watched.update({self.processes[i].sentinel: i for i in waiting})
-            ready = wait(list(watched), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise WorkerDiedError("tensor-parallel ranks did not start within the timeout")
-            for item in ready:
-                i = watched[item]
-                if i not in waiting:
-                    continue
-                if not self.conns[i].poll():
-                    raise WorkerDiedError(f"{self._rank_label(i)} exited while starting")
-                message: StageReady | StageFailed = self.conns[i].recv()
-                if isinstance(message, StageFailed):
-                    raise WorkerDiedError(
-                        f"{self._rank_label(i)} failed to start:\n{message.traceback}"
-                    )
-                waiting.discard(i)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
         future: Future[ModelOutput] = Future()
@@ -189,15 +172,8 @@ class TensorParallelDriverExecutor(Executor):
 
 
 def _reap(processes: list[mp.process.BaseProcess], conns: list[Connection], comm) -> None:
-    """Asks every rank to stop, kills whichever does not within 5 s, then unmaps."""
-    for conn in conns:
-        try:
-            conn.send_bytes(pickle.dumps(None))
-        except OSError:
-            pass
-    join_or_kill(processes, timeout_s=5.0)
-    for conn in conns:
-        conn.close()
+    """Stops the rank processes (executor/mp.py's reap), then unmaps the segment."""
+    reap(processes, conns)
     comm.close()
 
 
