@@ -207,6 +207,28 @@ def test_a_killed_stage_is_a_clear_error_not_a_hang(six_layers, reaped):
         llm.shutdown()
 
 
+def test_a_send_to_a_killed_stage_names_it(six_layers, reaped):
+    """The engine's send can find a stage's pipe closed before the reader thread sees the
+    process's exit: the error must still name the stage and its signal."""
+    directory, _, _ = six_layers
+    llm = LLM(str(directory), pipeline_parallel_size=2)
+    executor = llm.engine.executor
+    try:
+        executor._closed = True  # stop the reader, so only submit() can find the death
+        executor._reader.join(timeout=5)
+        victim = executor.processes[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=5)
+        empty = SchedulerOutput(micro_batch_id=0, requests=[])
+        future = executor.submit(empty)
+        assert future.done(), "a send to a dead stage's pipe should fail at once"
+        with pytest.raises(WorkerDiedError, match="stage 1 .*SIGKILL"):
+            future.result()
+    finally:
+        executor._closed = False
+        llm.shutdown()
+
+
 def test_stages_are_reaped_when_the_owner_exits_without_shutdown(six_layers, tmp_path):
     directory, _, _ = six_layers
     script = textwrap.dedent(

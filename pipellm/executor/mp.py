@@ -71,12 +71,23 @@ class MultiprocExecutor(RemoteStagesExecutor):
         if future.done():
             return future
         payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            for conn in self.conns:
+        for rank, conn in enumerate(self.conns):
+            try:
                 conn.send_bytes(payload)
-        except OSError as error:
-            self._pending.fail(f"could not send a micro-batch to the pipeline stages: {error}")
+            except OSError as error:
+                # A closed pipe means the stage is gone: name it and why, as the reader would
+                # once it saw the process's sentinel (this send may simply come first).
+                self.processes[rank].join(timeout=1.0)  # the exit code is set on join
+                reason = self._exit_reason(rank)
+                if self.processes[rank].exitcode is None:
+                    reason = f"could not send a micro-batch to pipeline stage {rank}: {error}"
+                self._pending.fail(reason)
+                break
         return future
+
+    def _exit_reason(self, rank: int) -> str:
+        process = self.processes[rank]
+        return f"pipeline stage {rank} (pid {process.pid}) {exit_cause(process.exitcode)}"
 
     def _read_outputs(self) -> None:
         """Resolves futures in submission order; turns a dead or failed stage into errors."""
@@ -107,10 +118,7 @@ class MultiprocExecutor(RemoteStagesExecutor):
                     self._stage_failed(rank, failed.traceback)
                 elif not self._closed:
                     self.processes[rank].join(timeout=1.0)  # the exit code is set on join
-                    process = self.processes[rank]
-                    self._pending.fail(
-                        f"pipeline stage {rank} (pid {process.pid}) {exit_cause(process.exitcode)}"
-                    )
+                    self._pending.fail(self._exit_reason(rank))
             if self._pending.dead:
                 return
 
