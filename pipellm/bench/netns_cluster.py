@@ -10,6 +10,7 @@ namespaces (Ray's agents ignore SIGTERM) and deletes the namespaces, on every pa
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -52,8 +53,14 @@ class TwoHostCluster:
         self.addresses = [f"{SUBNET}.1", f"{SUBNET}.2"]
         self.num_cpus = num_cpus
         self.temp_dir = Path(tempfile.mkdtemp(prefix="pipellm-netns-"))
-        self.env = dict(os.environ, RAY_AUTH_MODE="token")  # what `ray start --head` enables
-        self.env.pop("RAY_ADDRESS", None)
+        # Token authentication, as `ray start --head` enables by default, with a token of the
+        # cluster's own: a fresh machine has no ~/.ray/auth_token, and a user's stays untouched.
+        token = self.temp_dir / "auth_token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+        for inherited in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+            self.env.pop(inherited, None)
 
     @property
     def ray_address(self) -> str:
