@@ -56,8 +56,8 @@ class EngineConfig:
     # gguf: linear layers compute on a GGUF file's Q4_1/Q8_0 weights as stored (exactly the
     # same results, a 5x smaller weight stream); none: dequantize every weight to `dtype`.
     # gguf_int8 (opt-in, changes numerics): gguf, with activations rounded to int8 per 32
-    # values for VNNI integer dot products, as llama.cpp does (faster decode; top-1 agreement
-    # with float32 in docs/performance.md; needs AVX-512 VNNI).
+    # values for integer dot products, as llama.cpp does (faster decode; top-1 agreement
+    # with float32 in docs/performance.md; AVX-512 VNNI or AVX2 dot products, the same sums).
     # None (auto): gguf for a GGUF model run in float32, else none.
     quantization: str | None = None
     seed: int = 0

@@ -61,14 +61,21 @@ def test_quantization_auto_keeps_gguf_weights_only_for_float32_gguf_models(tiny)
         EngineConfig(quantization="gguf", dtype="bfloat16")
 
 
-def test_int8_activations_need_their_kernel_level(monkeypatch):
-    """gguf_int8 runs only on the avx512 level's VNNI kernel: asked for elsewhere, the setting
-    fails before anything is built, naming why and the exact alternative."""
-    monkeypatch.setenv("PIPELLM_CPU_ISA", "avx2")
-    if "avx2" not in cpu_kernels.supported_levels() or cpu_kernels.why_unavailable():
-        monkeypatch.setenv("PIPELLM_CPU_KERNELS", "0")
-    with pytest.raises(ConfigError, match="quantization='gguf_int8'.*use gguf"):
+def test_int8_activations_need_the_kernels(monkeypatch):
+    """gguf_int8 runs on pipellm's kernels (any level): with them off, the setting fails
+    before anything is built, naming why and the exact alternative."""
+    monkeypatch.setenv("PIPELLM_CPU_KERNELS", "0")
+    with pytest.raises(ConfigError, match="quantization='gguf_int8'.*turned off.*use gguf"):
         EngineConfig(quantization="gguf_int8")
+
+
+@pytest.mark.skipif(
+    "avx2" not in cpu_kernels.supported_levels() or cpu_kernels.why_unavailable() is not None,
+    reason="needs pipellm's AVX2 kernels",
+)
+def test_int8_activations_run_on_the_avx2_level(monkeypatch):
+    monkeypatch.setenv("PIPELLM_CPU_ISA", "avx2")
+    assert EngineConfig(quantization="gguf_int8").quantization == "gguf_int8"
 
 
 def test_unsupported_rope_scaling_fails_before_any_process_starts(tmp_path):

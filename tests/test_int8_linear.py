@@ -1,6 +1,7 @@
 """The opt-in int8-activation GEMM (`quantization="gguf_int8"`): x rounded to int8 per 32
-values, VNNI integer dot products against the GGUF blocks. Not bit-identical to float32 by
-design; checked against the same arithmetic done in float64, and near the float32 result."""
+values, integer dot products against the GGUF blocks (AVX-512 VNNI, or AVX2's vpmaddubsw +
+vpmaddwd), at every kernel level this machine runs. Not bit-identical to float32 by design;
+checked against the same arithmetic done in float64, and near the float32 result."""
 
 from __future__ import annotations
 
@@ -51,19 +52,21 @@ def reference(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tenso
 
 
 @pytest.mark.parametrize("kind", KINDS)
-# 1-2 rows: 4 panels at once; 3-4: 2 panels; 5 and 9: near-equal register blocks; 260: two
-# 256-row chunks. A bias at odd row counts.
+# VNNI: 1-2 rows 4 panels at once, 3-4 rows 2; AVX2: 1 row 2 panels, 2-3 rows 1. 5 and 9:
+# near-equal register blocks; 260: two 256-row chunks. A bias at odd row counts.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 260])
 # 40 = 2 * 16 + 8: a ragged last panel; 608 deep: 19 blocks; 160 columns: 10 panels, so a
 # thread's run ends in a group of fewer than 4.
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (160, 608)])
-def test_int8_activations_compute_the_rounded_products(kind, rows, out_features, in_features):
+def test_int8_activations_compute_the_rounded_products(
+    kernel_level, kind, rows, out_features, in_features
+):
     weight, dequantized = quantized(kind, out_features, in_features, seed=rows)
     generator = torch.Generator().manual_seed(rows)
     bias = torch.randn(out_features, generator=generator) if rows % 2 else None
     x = torch.randn(rows, in_features, generator=generator)
     x[0, :32] = 0  # an all-zero block: scale 0, not a division by zero
-    layer = QuantizedLinear(weight, bias, level="avx512", int8_activations=True)
+    layer = QuantizedLinear(weight, bias, level=kernel_level, int8_activations=True)
     got = layer(x)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), reference(x, weight, bias), rtol=1e-5, atol=1e-5)
@@ -73,21 +76,19 @@ def test_int8_activations_compute_the_rounded_products(kind, rows, out_features,
     assert 0 < error < 0.02
 
 
-def test_int8_activations_track_the_exact_path_on_real_scale_inputs():
+def test_int8_activations_track_the_exact_path_on_real_scale_inputs(kernel_level):
     """Many rows of a realistic projection: the int8 result keeps the float32 result's
     largest output (what a greedy next token depends on) for nearly every row."""
     weight, dequantized = quantized(GGMLQuantizationType.Q8_0, 512, 576, seed=7)
     x = torch.randn(64, 576, generator=torch.Generator().manual_seed(7))
-    got = QuantizedLinear(weight, None, level="avx512", int8_activations=True)(x)
+    got = QuantizedLinear(weight, None, level=kernel_level, int8_activations=True)(x)
     agree = (got.argmax(-1) == F.linear(x, dequantized).argmax(-1)).float().mean()
     assert agree >= 0.9
 
 
-def test_bad_inputs_are_named(kernel_ops):
-    if not hasattr(kernel_ops, "quantized_linear_int8"):
-        pytest.skip("this level has no int8 GEMM")
+def test_bad_inputs_are_named(kernel_level, kernel_ops):
     weight, _ = quantized(GGMLQuantizationType.Q4_1, 16, 64, seed=0)
-    layer = QuantizedLinear(weight, None, level="avx512", int8_activations=True)
+    layer = QuantizedLinear(weight, None, level=kernel_level, int8_activations=True)
     with pytest.raises(RuntimeError, match="not packed by pack_int8_weight"):
         kernel_ops.quantized_linear_int8(torch.randn(2, 32), layer.packed_weight, 0, None, 16)
     with pytest.raises(RuntimeError, match="not packed by pack_int8_weight"):

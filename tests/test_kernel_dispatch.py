@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from pipellm.kernels import cpu_kernels
-from pipellm.model.gguf_linear import KERNEL_KINDS, pack_quantized_weight
+from pipellm.model.gguf_linear import KERNEL_KINDS, pack_int8_weight, pack_quantized_weight
 from tests.test_decode_attention_kernel import random_paged_cache
 from tests.test_quantized_linear import quantized
 
@@ -74,15 +74,21 @@ def test_gemms_bit_identical_across_levels(rows):
     weight = torch.randn(72, 608, generator=generator)  # 4 panels and a half
     bias = torch.randn(72, generator=generator)
     packed = cpu_kernels.ops(LEVELS[0]).pack_linear_weight(weight)  # one layout for all levels
-    quantized_weights = {
-        kind: pack_quantized_weight(quantized(kind, 72, 608, seed=rows)[0])
+    weights = {
+        kind: quantized(kind, 72, 608, seed=rows)[0]
         for kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
     }
 
     def run(ops):
         outs = [ops.packed_linear(x, packed, bias, 72), ops.packed_linear(x, packed, None, 72)]
-        for kind, packed_q in quantized_weights.items():
-            outs.append(ops.quantized_linear(x, packed_q, KERNEL_KINDS[kind], bias, 72))
+        for kind, weight in weights.items():
+            outs.append(
+                ops.quantized_linear(x, pack_quantized_weight(weight), KERNEL_KINDS[kind], bias, 72)
+            )
+            # The int8 GEMM: VNNI on an AVX-512 VNNI CPU, vpmaddubsw on AVX2, the same sums.
+            outs.append(
+                ops.quantized_linear_int8(x, pack_int8_weight(weight), KERNEL_KINDS[kind], bias, 72)
+            )
         return outs
 
     same_on_every_level(run)

@@ -113,13 +113,10 @@ def main() -> None:
         for linear, _, packed in pairs:
             op(x[linear.in_features], packed, linear.kernel_kind, None, linear.out_features)
 
-    steps = {
-        f"{kind} {level}": (step, level)
-        for kind, step in (("float32", float32_step), ("gguf", gguf_step))
-        for level in levels
-    }
+    kinds = [("float32", float32_step), ("gguf", gguf_step)]
     if int8_activations_unavailable() is None and not args.no_int8:
-        steps["gguf_int8 avx512"] = (int8_step, "avx512")
+        kinds.append(("gguf_int8", int8_step))
+    steps = {f"{kind} {level}": (step, level) for kind, step in kinds for level in levels}
     times = {(name, m): [] for name in steps for m in args.rows}
     inputs = {m: {k: torch.randn(m, k) for k in (576, 1536)} for m in args.rows}
     for rep in range(args.repeats):

@@ -1,4 +1,4 @@
-"""How often `quantization="gguf_int8"` (int8 activations, VNNI dot products) picks the same next
+"""How often `quantization="gguf_int8"` (int8 activations, integer dot products) picks the same next
 token as the exact path (`gguf`, bit-identical to float32), on the built-in SmolLM2-135M.
 
 The exact path writes greedy continuations of a set of prompts; then both settings read each

@@ -29,8 +29,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         choices=["gguf", "gguf_int8", "none"],
         help="gguf: compute on a GGUF model's Q4_1/Q8_0 weights as stored (same results, "
-        "faster decode); gguf_int8: that with activations rounded to int8 for VNNI dot "
-        "products (opt-in: faster decode, not bit-identical; needs AVX-512 VNNI); none: "
+        "faster decode); gguf_int8: that with activations rounded to int8 for integer dot "
+        "products, as llama.cpp computes (opt-in: faster decode, not bit-identical); none: "
         "dequantize them to --dtype (default: gguf for GGUF models)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of sampling and dummy weights")

@@ -207,15 +207,19 @@ def _chosen_loaded() -> str:
 
 def int8_activations_unavailable() -> str | None:
     """None if the int8-activation GEMM (`quantization="gguf_int8"`, int8_linear.cpp) runs
-    here, else why not: it needs the avx512 level and the CPU's AVX-512 VNNI."""
+    here, else why not: it needs pipellm's kernels (any level: AVX-512 VNNI's vpdpbusd where
+    the CPU has it, else AVX2's vpmaddubsw + vpmaddwd, bit-identical)."""
     reason = why_unavailable()
     if reason is not None:
         return f"pipellm's CPU kernels are not used ({reason})"
-    if chosen_level() != "avx512":
-        return f"it needs the avx512 kernel level, this runs {chosen_level()} ({LEVEL_ENV})"
-    if "avx512_vnni" not in (cpu_flags() or _flags_from_torch()):
-        return "it needs AVX-512 VNNI (the avx512_vnni CPU flag), which this CPU lacks"
     return None
+
+
+def int8_dot_product() -> str:
+    """Which instructions the int8-activation GEMM sums with on this CPU, for the logs."""
+    if chosen_level() == "avx512" and "avx512_vnni" in (cpu_flags() or _flags_from_torch()):
+        return "AVX-512 VNNI (vpdpbusd)"
+    return "AVX2 (vpmaddubsw + vpmaddwd)"
 
 
 def kernels_apply(x: torch.Tensor) -> bool:

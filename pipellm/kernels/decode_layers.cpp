@@ -213,7 +213,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   c10::TypedOperatorHandle<SiluAndMulFn> silu_and_mul_;
   c10::TypedOperatorHandle<RotaryFn> rotary_and_cache_;
   c10::TypedOperatorHandle<AttentionFn> paged_decode_attention_;
-  // Only on the avx512 level (int8_linear.cpp), looked up where a layer uses it.
+  // int8_linear.cpp's op, looked up only where a layer uses it.
   std::optional<c10::TypedOperatorHandle<QuantizedLinearFn>> quantized_linear_int8_;
   std::optional<c10::TypedOperatorHandle<AllReduceFn>> all_reduce_;
 };

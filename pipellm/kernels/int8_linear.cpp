@@ -1,6 +1,9 @@
 // y = x W^T + b with W in GGUF Q4_1 or Q8_0 blocks and x rounded to int8 per 32 values, the
-// products summed by AVX-512 VNNI's vpdpbusd (four u8 x s8 products into an int32 lane per
-// instruction): the opt-in `quantization="gguf_int8"` path.
+// products summed in int32: the opt-in `quantization="gguf_int8"` path. With AVX-512 VNNI,
+// vpdpbusd takes four u8 x s8 products into an int32 lane per instruction; on AVX2 (and on
+// AVX-512 without VNNI) vpmaddubsw + vpmaddwd do the same in two steps, as llama.cpp's AVX2
+// dot products do. Both sum the same integers exactly and fold them into float32 with the same
+// operations per column, so the two give bit-identical results.
 //
 // Why: the exact path (quantized_linear.cpp) must widen every weight to float32 and run one
 // fused multiply-add per weight and row, so at one or two rows its time is the arithmetic, not
@@ -22,8 +25,9 @@
 //         j's q at depth 4 i + t (low nibble) and at depth 16 + 4 i + t (high nibble);
 //   Q8_0: 16 float16 d, then 8 x 64 bytes: vector g, byte 4 j + t = column j's q at depth
 //         4 g + t, plus 128.
-// Compiled into the AVX-512 library only, with the VNNI instructions enabled per function:
-// an AVX-512 CPU without VNNI still runs the rest of that library.
+// The AVX2 kernel reads each 64-byte vector as two halves of 8 columns. Compiled into every
+// level's library; the VNNI kernel only into the AVX-512 one, with the VNNI instructions enabled
+// per function (an AVX-512 CPU without VNNI runs the AVX2 kernel there).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -39,7 +43,6 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512F__)
 namespace {
 
 using pipellm_kernels::kPanel;
@@ -51,8 +54,6 @@ constexpr int64_t kQ4_1Bytes = 2 * kPanel * 2 + kBlock * kPanel / 2;  // 320
 constexpr int64_t kQ8_0Bytes = kPanel * 2 + kBlock * kPanel;          // 544
 constexpr int64_t kRowsChunk = 256;      // rows of x (int8) a thread takes per pass at prefill
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the weight stream
-
-#define PIPELLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // x rounded to int8 per 32-value block, with each block's scale and sums.
 struct QuantizedRows {
@@ -70,6 +71,47 @@ struct RowsBuffer {
   std::vector<int32_t> sum;
 };
 
+// One 32-value block: d = max|x| / 127, q = round(x * 127 / max|x|) (nearest, ties to even);
+// returns sum(q). The same arithmetic per lane at either width.
+inline int32_t quantize_block(const float* v, int8_t* q, float* d) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *d = amax / 127.0f;
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 x[4], amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, x[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(id)));
+  // Saturating packs interleave the 128-bit lanes; the permute puts the 32 bytes in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                           _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  *d = amax / 127.0f;
+  return _mm_cvtsi128_si32(s4);
+#endif
+}
+
 QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth) {
   const int64_t blocks = depth / kBlock;
   thread_local RowsBuffer buffer;
@@ -83,17 +125,9 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth) {
   float* sum_dx = buffer.sum_dx.data();
   at::parallel_for(0, m * blocks, 64, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      const float* v = x + i * kBlock;  // rows are contiguous: block i of the whole of x
-      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kBlock), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * kBlock + 16),
-                       _mm512_cvtsepi32_epi8(qb));
-      const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-      scale[i] = d, sum[i] = s, sum_dx[i] = d * static_cast<float>(s);
+      // Rows are contiguous: block i of the whole of x.
+      const int32_t s = quantize_block(x + i * kBlock, q + i * kBlock, &scale[i]);
+      sum[i] = s, sum_dx[i] = scale[i] * static_cast<float>(s);
     }
   });
   return {q, scale, sum, sum_dx};
@@ -105,6 +139,17 @@ inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* 
   for (int64_t line = 0; line < bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
 }
+
+// Rows a VNNI register block takes at most. Panels at once: 4 at one or two rows, where several
+// panels give the core independent chains of vpdpbusd (5 cycles of latency each), else 2.
+constexpr int kMaxRows = 4;
+
+// One register block: rows [r0, r0 + R) times panels [p0, p0 + NP), whole depth.
+using Int8BlockFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, int64_t, int64_t,
+                             int64_t, const PanelOutput&, const uint8_t*);
+
+#if defined(__AVX512F__)
+#define PIPELLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // Rows [r0, r0 + R) times panels [p0, p0 + NP), whole depth. Weights are unpacked once per
 // group of 4 depths and used by every row; each (row, panel) keeps an int32 sum per block,
@@ -200,12 +245,6 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       _mm512_storeu_ps(y.dst(p0 + p) + (r0 + r) * y.ld(p0 + p), acc[r][p]);
 }
 
-// Rows a register block takes at most. Panels at once: 4 at one or two rows, where several
-// panels give the core independent chains of vpdpbusd (5 cycles of latency each), else 2.
-constexpr int kMaxRows = 4;
-
-using Int8BlockFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, int64_t, int64_t,
-                             int64_t, const PanelOutput&, const uint8_t*);
 template <int64_t Kind, int R>
 constexpr Int8BlockFn kByPanels[4] = {int8_block<Kind, R, 1>, int8_block<Kind, R, 2>,
                                       int8_block<Kind, R, 3>, int8_block<Kind, R, 4>};
@@ -218,11 +257,151 @@ bool cpu_has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512vnni");
 }
+#endif  // defined(__AVX512F__)
+
+// The AVX2 kernel: rows [r0, r0 + R) times panels [p0, p0 + NP), each panel as two halves of
+// 8 columns (R x NP x 2 int32 and float32 accumulators: R x NP <= 3 fits the 16 registers).
+// vpmaddubsw multiplies u8 weights by s8 x and adds neighbouring pairs into int16, vpmaddwd
+// adds the int16 pairs into the int32 lane: a column's 4 depths per lane, as vpdpbusd.
+// Q4_1: a pair is at most 2 x 15 x 127, so a block's 8 pairs add up in int16 (<= 30480)
+// before one vpmaddwd. Q8_0: |w| times x carrying w's sign (vpsignb), at most 2 x 128 x 127 a
+// pair, widened at once; w = stored - 128, so no sum correction.
+template <int64_t Kind, int R, int NP>
+void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int64_t panel_bytes,
+                     int64_t p0, int64_t blocks, const PanelOutput& y, const uint8_t* end) {
+  constexpr int64_t kBytes = Kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  const int64_t depth = blocks * kBlock;
+  const int8_t* q = xq.q + r0 * depth;
+  const float* scale = xq.scale + r0 * blocks;
+  const float* sum_dx = xq.sum_dx + r0 * blocks;
+  __m256 acc[R][NP][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+      for (int h = 0; h < 2; ++h) {
+        const float* bias = y.bias(p0 + p);
+        acc[r][p][h] = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
+      }
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec[NP];
+    __m256i dot[R][NP][2];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
+      prefetch_ahead(rec[p], kBytes, end);
+    }
+    const int8_t* qb = q + b * kBlock;
+    if constexpr (Kind == kQ4_1) {
+      __m256i pairs[R][NP][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) pairs[r][p][h] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m256i x_lo[R], x_hi[R];  // 4 int8 of x at depths 4 i.. and 16 + 4 i.., broadcast
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t lo4, hi4;
+          __builtin_memcpy(&lo4, qb + r * depth + 4 * i, 4);
+          __builtin_memcpy(&hi4, qb + r * depth + 16 + 4 * i, 4);
+          x_lo[r] = _mm256_set1_epi32(lo4), x_hi[r] = _mm256_set1_epi32(hi4);
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i packed =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p] + 64 + 64 * i + 32 * h));
+            const __m256i lo = _mm256_and_si256(packed, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+              pairs[r][p][h] = _mm256_add_epi16(
+                  pairs[r][p][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo[r]),
+                                                   _mm256_maddubs_epi16(hi, x_hi[r])));
+          }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) dot[r][p][h] = _mm256_madd_epi16(pairs[r][p][h], ones);
+    } else {
+      const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) dot[r][p][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        __m256i xg[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t x4;
+          __builtin_memcpy(&x4, qb + r * depth + 4 * g, 4);
+          xg[r] = _mm256_set1_epi32(x4);
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i w = _mm256_xor_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p] + 32 + 64 * g + 32 * h)),
+                offset);
+            const __m256i magnitude = _mm256_abs_epi8(w);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const __m256i products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xg[r], w));
+              dot[r][p][h] = _mm256_add_epi32(dot[r][p][h], _mm256_madd_epi16(products, ones));
+            }
+          }
+      }
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 16 * h)));
+        __m256 mins = _mm256_setzero_ps();
+        if constexpr (Kind == kQ4_1)
+          mins = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 32 + 16 * h)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(scale[r * blocks + b]));
+          acc[r][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][p][h]), ddx, acc[r][p][h]);
+          if constexpr (Kind == kQ4_1)
+            acc[r][p][h] =
+                _mm256_fmadd_ps(mins, _mm256_set1_ps(sum_dx[r * blocks + b]), acc[r][p][h]);
+        }
+      }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(y.dst(p0 + p) + (r0 + r) * y.ld(p0 + p) + 8 * h, acc[r][p][h]);
+}
+
+// Register blocks the AVX2 kernel runs: 1 row x 1-2 panels, 2 or 3 rows x 1 panel.
+constexpr int kMaxRowsAvx2 = 3;
+template <int64_t Kind>
+Int8BlockFn int8_block_avx2_for(int64_t rows, int64_t panels) {
+  if (rows == 1) return panels == 2 ? int8_block_avx2<Kind, 1, 2> : int8_block_avx2<Kind, 1, 1>;
+  return rows == 2 ? int8_block_avx2<Kind, 2, 1> : int8_block_avx2<Kind, 3, 1>;
+}
 
 at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
                                  const std::optional<at::Tensor>& bias, int64_t out_features) {
-  static const bool has_vnni = cpu_has_vnni();
-  TORCH_CHECK(has_vnni, "quantized_linear_int8 needs AVX-512 VNNI, which this CPU lacks");
+#if defined(__AVX512F__)
+  static const bool use_vnni = cpu_has_vnni();
+#else
+  constexpr bool use_vnni = false;
+#endif
   TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantized_linear_int8: kind 0 (Q4_1) or 1 (Q8_0)");
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear_int8: x must be a 2-D float32 CPU tensor");
@@ -242,15 +421,22 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     for (int64_t c0 = 0; c0 < m; c0 += kRowsChunk) {
       const int64_t count = std::min(m, c0 + kRowsChunk) - c0;
-      // Rows in register blocks of near-equal size, at most kMaxRows (5 = 3 + 2, not 4 + 1).
-      const int64_t row_blocks = (count + kMaxRows - 1) / kMaxRows;
-      const int64_t np = count <= 2 ? 4 : 2;  // registers: R x NP int32 and float32 sums
+      // Rows in register blocks of near-equal size (5 = 3 + 2, not 4 + 1); panels at once as
+      // many as the registers hold.
+      const int64_t max_rows = use_vnni ? kMaxRows : kMaxRowsAvx2;
+      const int64_t row_blocks = (count + max_rows - 1) / max_rows;
+      const int64_t np = use_vnni ? (count <= 2 ? 4 : 2) : (count == 1 ? 2 : 1);
       for (int64_t p = first; p < last; p += np) {
         const int64_t n = std::min(np, last - p);
         for (int64_t i = 0, r = c0; i < row_blocks; ++i) {
           const int64_t rows = count / row_blocks + (i < count % row_blocks ? 1 : 0);
-          const Int8BlockFn fn = kind == kQ4_1 ? kInt8Block<kQ4_1>[rows - 1][n - 1]
-                                               : kInt8Block<kQ8_0>[rows - 1][n - 1];
+          Int8BlockFn fn = kind == kQ4_1 ? int8_block_avx2_for<kQ4_1>(rows, n)
+                                         : int8_block_avx2_for<kQ8_0>(rows, n);
+#if defined(__AVX512F__)
+          if (use_vnni)
+            fn = kind == kQ4_1 ? kInt8Block<kQ4_1>[rows - 1][n - 1]
+                               : kInt8Block<kQ8_0>[rows - 1][n - 1];
+#endif
           fn(xq, r, wp, panel_bytes, p, blocks, y, end);
           r += rows;
         }
@@ -267,4 +453,3 @@ PIPELLM_LIBRARY_FRAGMENT(m) {
         "int out_features) -> Tensor",
         &quantized_linear_int8);
 }
-#endif  // defined(__AVX512F__)

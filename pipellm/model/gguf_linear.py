@@ -108,7 +108,7 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def pack_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
-    """The int8 (VNNI) kernel's layout (pipellm/kernels/int8_linear.cpp): per record, 4
+    """The int8 kernel's layout (pipellm/kernels/int8_linear.cpp): per record, 4
     consecutive depths of a column in each 32-bit lane, as vpdpbusd multiplies them."""
     scales, mins, q = _by_panels(weight)
     panels, num_blocks = q.shape[:2]
@@ -135,8 +135,8 @@ class QuantizedLinear(nn.Module):
         int8_activations: bool = False,
     ) -> None:
         """level: the kernels' instruction-set level (default: the one chosen for this CPU).
-        int8_activations: x rounded to int8 per 32 values and VNNI integer dot products
-        (`quantization="gguf_int8"`: faster, not bit-identical; needs AVX-512 VNNI)."""
+        int8_activations: x rounded to int8 per 32 values and integer dot products
+        (`quantization="gguf_int8"`: faster, not bit-identical to float32)."""
         super().__init__()
         self.out_features, self.in_features = weight.blocks.shape[0], weight.in_features
         self.bias = bias
