@@ -229,11 +229,11 @@ def kernels_apply(x: torch.Tensor) -> bool:
 
 @functools.cache
 def _load(name: str) -> None:
-    from torch.utils import cpp_extension
+    from pipellm.kernels.extension_build import load_extension
 
     level = _BY_NAME[name]
-    cpp_extension.load(
-        name=f"pipellm_cpu_kernels_{level.name}",
+    load_extension(
+        f"pipellm_cpu_kernels_{level.name}",
         sources=[str(p) for p in SOURCES],
         extra_cflags=[
             "-O3",

@@ -36,10 +36,10 @@ def _library() -> ModuleType | None:
     if os.name != "posix":
         return None
     try:
-        from torch.utils import cpp_extension
+        from pipellm.kernels.extension_build import load_extension
 
-        return cpp_extension.load(
-            name="pipellm_shm_comm",
+        return load_extension(
+            "pipellm_shm_comm",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-mavx2"],
             extra_ldflags=["-lrt"],

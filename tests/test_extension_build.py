@@ -1,0 +1,48 @@
+"""A build lock left by a killed build must not hang every later start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+from pipellm.kernels import extension_build
+
+
+@pytest.fixture
+def own_extensions_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    return tmp_path
+
+
+def test_a_stale_lock_is_removed_and_the_build_runs(own_extensions_dir, caplog):
+    source = own_extensions_dir / "tiny.cpp"
+    source.write_text('extern "C" int pipellm_tiny() { return 7; }\n')
+    lock = extension_build.build_lock("pipellm_test_tiny")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    an_hour_ago = time.time() - 3600
+    os.utime(lock, (an_hour_ago, an_hour_ago))
+    with caplog.at_level(logging.WARNING):
+        extension_build.load_extension(
+            "pipellm_test_tiny", sources=[str(source)], is_python_module=False, verbose=False
+        )
+    assert not lock.exists()
+    assert "never finished" in caplog.text
+    assert (lock.parent / "pipellm_test_tiny.so").exists()
+
+
+def test_a_live_build_is_waited_for(own_extensions_dir, caplog):
+    lock = extension_build.build_lock("pipellm_test_wait")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    # A fresh lock is another process's build: waited for while it lasts, stale after the limit.
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        extension_build.clear_stale_lock("pipellm_test_wait", stale_after_s=1.0)
+    assert 0.4 < time.monotonic() - started < 10
+    assert "waiting for another process's build" in caplog.text
+    assert not lock.exists()
+    extension_build.clear_stale_lock("pipellm_test_wait")  # no lock: returns at once
