@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +49,14 @@ def test_a_live_build_is_waited_for(own_extensions_dir, caplog):
     assert "waiting for another process's build" in caplog.text
     assert not lock.exists()
     extension_build.clear_stale_lock("pipellm_test_wait")  # no lock: returns at once
+
+
+def test_builds_use_the_environments_own_ninja(monkeypatch):
+    """Whatever PATH a process has, the build finds the ninja installed beside its Python."""
+    scripts = sysconfig.get_path("scripts")
+    if not (Path(scripts) / "ninja").exists():
+        pytest.skip("no ninja installed in this environment")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with extension_build.environments_ninja_first():
+        assert shutil.which("ninja") == str(Path(scripts) / "ninja")
+    assert os.environ["PATH"] == "/usr/bin:/bin"
