@@ -62,8 +62,9 @@ def test_profile_command_writes_a_loadable_profile(tmp_path, capsys):
     data = json.loads(output.read_text())
     points = grid(512)  # the tiny model's context leaves out the longest grid points
     assert 0 < len(points) < len(DECODE_GRID + PREFILL_GRID)
-    assert len(data["fit"]["samples"]) == 3 * len(points)  # every stage of P=1 and P=2
-    assert all(s["measured_s"] > 0 for s in data["fit"]["samples"])
+    assert len(data["measured_steps"]) == 3 * len(points)  # every stage of P=1 and P=2
+    assert all(s["measured_s"] > 0 for s in data["measured_steps"])
+    assert len(profile.measured_steps) == 3  # (P, layers, last stage): P=1 and P=2's two stages
     assert set(data["linear_by_stages"]) == {"1", "2"}
     assert set(profile.linear_by_stages) == {1, 2}
     assert data["measured_on"]["timing"] == "stream" and data["concurrent_slowdown"] == []
@@ -86,7 +87,7 @@ def test_profile_alone_timing_measures_the_concurrent_slowdown(tmp_path):
     args.func(args)
     data = json.loads(output.read_text())
     points = grid(512)
-    assert len(data["fit"]["samples"]) == 3 * len(points)
+    assert len(data["measured_steps"]) == 3 * len(points)
     # P=2's stages timed computing at once: one slowdown per grid point and repeat, at most
     # (only where the stage that finished first had company throughout, which a tiny
     # model's millisecond steps may never show).

@@ -112,6 +112,38 @@ def test_a_fit_per_pipeline_size_and_the_concurrent_slowdown(tmp_path):
     assert profile.stages_interfere
 
 
+def test_measured_steps_pull_the_line_toward_them(tmp_path):
+    """At a measured shape the cost is near its measurement (the line's weight 0.05 against
+    the shape's 1: exp(ln 2 / 1.05) = 1.935x the line where the measurement is 2x); far from
+    every measured shape it is the line; only stages of the measured kind are pulled."""
+    model = make_word_model(tmp_path / "m", num_layers=4)
+    measured = {"num_tokens": 4, "num_requests": 4, "num_sampled": 4, "attention_pairs": 516}
+    measured |= {"context_tokens": 516}
+    line = 0.01 + 2 * 0.001 * 4  # step_s + 2 layers x layer_token_s x 4 tokens
+    step = {"pipeline_parallel_size": 2, "layers": 2, "last_stage": False, **measured}
+    data = {
+        "cost_model": "linear",
+        "linear": {"step_s": 0.01, "layer_token_s": 0.001},
+        "measured_steps": [{**step, "measured_s": 2 * line, "fitted_s": line}],
+    }
+    profile = load_profile(write_profile(tmp_path / "p.json", data))
+    first, last = profile.stage_costs(model_shape_of(model), 2)
+    at_the_point = BatchShape(**measured)
+    assert first.seconds(at_the_point) == pytest.approx(line * 2 ** (1 / 1.05))
+    assert last.seconds(at_the_point) == pytest.approx(line)  # a last stage was not measured
+    far = BatchShape(num_tokens=400, num_requests=1, num_sampled=1, attention_pairs=80200,
+                     context_tokens=400)  # fmt: skip
+    assert first.seconds(far) == pytest.approx(0.01 + 2 * 0.001 * 400)
+    # Nearer than the next grid point (4 rows at 616 context, ~0.6 SCALE in two features):
+    # most of the way, less than at the point itself.
+    near = BatchShape(num_tokens=4, num_requests=4, num_sampled=4, attention_pairs=616,
+                      context_tokens=616)  # fmt: skip
+    assert line * 1.6 < first.seconds(near) < line * 2 ** (1 / 1.05)
+    assert profile.stage_costs(model_shape_of(model), 4)[0].seconds(at_the_point) == (
+        pytest.approx(0.01 + 1 * 0.001 * 4)
+    )
+
+
 def model_shape_of(model: Path) -> dict:
     return json.loads((model / "config.json").read_text())
 
@@ -136,6 +168,14 @@ def model_shape_of(model: Path) -> dict:
         (
             {"cost_model": "linear", "linear": {}, "concurrent_slowdown": [1, 0]},
             "concurrent_slowdown must be a list of numbers > 0",
+        ),
+        (
+            {"cost_model": "linear", "linear": {}, "measured_steps": [{"layers": 2}]},
+            "measured_steps[0]: missing pipeline_parallel_size",
+        ),
+        (
+            {"cost_model": "roofline", "hardware": {}, "measured_steps": []},
+            "unknown field(s) ['measured_steps']",
         ),
     ],
 )

@@ -51,6 +51,7 @@ PREFILL_GRID = [
     [(0, 512)],
     [(0, 1024)],
     [(0, 512)] * 4,  # whole prompts batched, as --no-pp-balance schedules them
+    [(0, 512)] * 8,  # ... eight at once, max_num_seqs of them at a concurrency of 8
     [(1024, 1)] * 4 + [(0, 124)],  # a balanced micro-batch: decodes and a prompt chunk
     [(512, 1)] * 4 + [(256, 124)],  # decodes and a chunk after a cached context
     # Balanced P=2 with a few requests: a chunk beside one decode, and a prompt's last few
@@ -454,19 +455,21 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             "slowdowns": {str(size): ratios for size, ratios in slowdowns.items()},
             "engine_loop_s": engine_loop,
             "hand_over": {str(size): asdict(h) for size, h in hand_overs.items()},
-            "samples": [
-                {
-                    "pipeline_parallel_size": size,
-                    "layers": s.num_layers,
-                    "last_stage": s.is_last,
-                    **asdict(s.batch),
-                    "measured_s": s.seconds,
-                    "fitted_s": s.seconds * (1 + e),
-                }
-                for size in sizes
-                for s, e in zip(samples[size], fit(samples[size])[1], strict=True)
-            ],
         },
+        # The grid's median times: the sim pulls its fitted lines toward them
+        # (pipellm/sim/cost.py, CorrectedStageCost); fitted_s is the line's, for readers.
+        "measured_steps": [
+            {
+                "pipeline_parallel_size": size,
+                "layers": s.num_layers,
+                "last_stage": s.is_last,
+                **asdict(s.batch),
+                "measured_s": s.seconds,
+                "fitted_s": s.seconds * (1 + e),
+            }
+            for size in sizes
+            for s, e in zip(samples[size], fit(samples[size])[1], strict=True)
+        ],
     }
     with open(args.output, "w") as f:
         json.dump(result, f, indent=2)

@@ -12,6 +12,16 @@ Linear (measured on this machine by `pipellm profile`, or written by hand):
            [+ head_s + head_sampled_s S on the last stage]
 for L layers, T tokens, R requests, A attention pairs, C context tokens (the KV cache the
 batch's requests read) and S sampled rows.
+
+Measured steps (a measured profile's grid, each shape's median time): a line cannot follow
+every kernel regime (this CPU's GEMMs keep 1-4 rows in registers and take more through an L1
+buffer, so 4-row decodes sit ~15% below the line and 8-row ones ~12% above it), so the line
+is pulled toward the times measured at nearby shapes:
+    time = line(b) x exp(sum_j w_j ln(measured_j / line(b_j)) / (W0 + sum_j w_j))
+    w_j = exp(-d_j^2 / 2), d_j = |f(b) - f(b_j)| / SCALE, f(b) = ln(1 + (T, R, A, C))
+At a measured shape the time is within a few percent of its measurement; two shapes apart by
+more than ~3 x SCALE in every feature (about 2.5x in one of them) do not pull each other, and
+far from every measured shape the line stands.
 """
 
 from __future__ import annotations
@@ -63,6 +73,63 @@ class LinearStageCost:
         )
         head = c.head_s + c.head_sampled_s * batch.num_sampled if self.is_last else 0.0
         return c.step_s + self.num_layers * per_layer + head
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """One shape `pipellm profile` timed on a stage, and its median seconds."""
+
+    shape: BatchShape
+    seconds: float
+
+
+# How far a measured shape reaches (natural-log units of its features: 0.3 is ~35%), and how
+# strongly the line holds where no measured shape is near (the weight of "no correction").
+MEASURED_SCALE = 0.3
+LINE_WEIGHT = 0.05
+_FAR = 18.0  # d^2 beyond which a shape's weight (< 1.3e-4) is not worth adding
+
+
+def _features(batch: BatchShape) -> tuple[float, float, float, float]:
+    return (
+        math.log1p(batch.num_tokens) / MEASURED_SCALE,
+        math.log1p(batch.num_requests) / MEASURED_SCALE,
+        math.log1p(batch.attention_pairs) / MEASURED_SCALE,
+        math.log1p(batch.context_tokens) / MEASURED_SCALE,
+    )
+
+
+@dataclass(frozen=True)
+class CorrectedStageCost:
+    """A fitted stage cost pulled toward the times measured near a shape (formula above)."""
+
+    line: StageCost
+    measured: tuple[MeasuredStep, ...]
+
+    @cached_property
+    def _points(self) -> list[tuple[tuple[float, ...], float]]:
+        return [
+            (_features(m.shape), math.log(m.seconds / self.line.seconds(m.shape)))
+            for m in self.measured
+        ]
+
+    @cached_property
+    def _memo(self) -> dict[BatchShape, float]:
+        return {}
+
+    def seconds(self, batch: BatchShape) -> float:
+        factor = self._memo.get(batch)
+        if factor is None:
+            f = _features(batch)
+            pulled, weights = 0.0, LINE_WEIGHT
+            for g, log_ratio in self._points:
+                d2 = sum((a - b) ** 2 for a, b in zip(f, g, strict=True))
+                if d2 < _FAR:
+                    w = math.exp(-d2 / 2)
+                    pulled += w * log_ratio
+                    weights += w
+            factor = self._memo[batch] = math.exp(pulled / weights)
+        return self.line.seconds(batch) * factor
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,18 @@ from typing import Any
 
 from pipellm.model.stage_spec import stage_specs
 from pipellm.sim.cost import (
+    CorrectedStageCost,
     Hardware,
     LinearCoefficients,
     LinearStageCost,
     Link,
+    MeasuredStep,
     Precision,
     RooflineStageCost,
     Serving,
     StageCost,
 )
-from pipellm.sim.shapes import model_shape
+from pipellm.sim.shapes import BatchShape, model_shape
 
 COST_MODELS = ("roofline", "linear")
 # Keys a profile may hold beyond its sections; free-form notes for readers.
@@ -53,6 +55,9 @@ class Profile:
     # compute at once (stages sharing one machine's cores and memory bandwidth; measured by
     # `pipellm profile`). Beyond the list, its last value. Empty: stages never interfere.
     concurrent_slowdown: tuple[float, ...] = ()
+    # linear: the grid `pipellm profile` timed, by (pipeline size, layers, last stage); a
+    # stage of that kind has its fitted line pulled toward them (CorrectedStageCost).
+    measured_steps: dict[tuple[int, int, bool], tuple[MeasuredStep, ...]] | None = None
     description: str = ""
 
     def slowdown(self, busy_stages: int) -> float:
@@ -74,7 +79,12 @@ class Profile:
         stages = stage_specs(cfg["num_hidden_layers"], num_stages)
         if self.linear is not None:
             coefficients = (self.linear_by_stages or {}).get(num_stages, self.linear)
-            return [LinearStageCost(s.num_layers, s.is_last, coefficients) for s in stages]
+            costs: list[StageCost] = []
+            for s in stages:
+                line = LinearStageCost(s.num_layers, s.is_last, coefficients)
+                measured = (self.measured_steps or {}).get((num_stages, s.num_layers, s.is_last))
+                costs.append(CorrectedStageCost(line, measured) if measured else line)
+            return costs
         assert self.hardware is not None and self.precision is not None
         shape = model_shape(cfg)
         return [
@@ -140,7 +150,11 @@ def profile_from_dict(data: Any, base_dir: Path = Path(".")) -> Profile:
         raise ProfileError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {kind!r}")
     sections = {"cost_model", "link", "serving", "kv_capacity_tokens", "model"}
     sections.add("concurrent_slowdown")
-    sections |= {"hardware", "precision"} if kind == "roofline" else {"linear", "linear_by_stages"}
+    sections |= (
+        {"hardware", "precision"}
+        if kind == "roofline"
+        else {"linear", "linear_by_stages", "measured_steps"}
+    )
     unknown = sorted(set(data) - sections - NOTE_KEYS)
     if unknown:
         raise ProfileError(f"unknown field(s) {unknown} for cost_model {kind!r}")
@@ -192,12 +206,48 @@ def profile_from_dict(data: Any, base_dir: Path = Path(".")) -> Profile:
             )
             for key in by_stages
         }
-        return Profile(**{**_as_kwargs(profile), "linear": linear, "linear_by_stages": fits})
+        return Profile(
+            **{
+                **_as_kwargs(profile),
+                "linear": linear,
+                "linear_by_stages": fits,
+                "measured_steps": _measured_steps(data.get("measured_steps", [])),
+            }
+        )
     hardware = _section(data, "hardware", Hardware, required=True)
     if hardware.flops_per_s <= 0 or hardware.bytes_per_s <= 0:
         raise ProfileError("hardware: flops_per_s and bytes_per_s must be positive")
     precision = _section(data, "precision", Precision, required=True)
     return Profile(**{**_as_kwargs(profile), "hardware": hardware, "precision": precision})
+
+
+_STEP_SHAPE = ("num_tokens", "num_requests", "num_sampled", "attention_pairs", "context_tokens")
+_STEP_KEYS = ("pipeline_parallel_size", "layers", "last_stage", *_STEP_SHAPE, "measured_s")
+
+
+def _measured_steps(data: Any) -> dict[tuple[int, int, bool], tuple[MeasuredStep, ...]]:
+    """measured_steps: a list of {pipeline_parallel_size, layers, last_stage, the BatchShape
+    fields, measured_s} (other keys, such as fitted_s, are notes)."""
+    if not isinstance(data, list):
+        raise ProfileError(f"measured_steps must be a list, got {type(data).__name__}")
+    by_kind: dict[tuple[int, int, bool], list[MeasuredStep]] = {}
+    for i, step in enumerate(data):
+        missing = [k for k in _STEP_KEYS if not isinstance(step, dict) or k not in step]
+        if missing:
+            raise ProfileError(f"measured_steps[{i}]: missing {', '.join(missing)}")
+        values = [step[k] for k in _STEP_KEYS if k != "last_stage"]
+        if not all(isinstance(v, int | float) and v >= 0 for v in values) or not isinstance(
+            step["last_stage"], bool
+        ):
+            raise ProfileError(
+                f"measured_steps[{i}]: numbers >= 0 and a true/false last_stage, got {step!r}"
+            )
+        if step["measured_s"] <= 0 or step["num_tokens"] <= 0:
+            raise ProfileError(f"measured_steps[{i}]: measured_s and num_tokens must be > 0")
+        shape = BatchShape(**{k: step[k] for k in _STEP_SHAPE})
+        kind = (int(step["pipeline_parallel_size"]), int(step["layers"]), step["last_stage"])
+        by_kind.setdefault(kind, []).append(MeasuredStep(shape, float(step["measured_s"])))
+    return {kind: tuple(steps) for kind, steps in by_kind.items()}
 
 
 def _as_kwargs(profile: Profile) -> dict[str, Any]:
