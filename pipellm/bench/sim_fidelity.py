@@ -97,7 +97,9 @@ def main() -> None:
             measured = run_once(setup, args, None, on_core=recorder if args.steps else None)
             # A real run is only as good as the quiet around it: CPU that other processes
             # took meanwhile (cpulock bench keeps the project's tests out, not everything).
-            foreign = (machine_cpu_seconds() - machine) - (own_cpu_seconds() - own)
+            # The two counters tick apart (clock ticks against rusage): a few ms below zero
+            # means none.
+            foreign = max(0.0, (machine_cpu_seconds() - machine) - (own_cpu_seconds() - own))
             measured["foreign_cpu_s"] = foreign
             predicted = predict(setup.engine_args, args, concurrency, profile)
             rows.append((setup.label, concurrency, measured, predicted))
