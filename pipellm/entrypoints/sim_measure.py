@@ -413,10 +413,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     # Per P: a stage's cost per layer depends on how many layers it holds (at P = 1 this
     # machine's 30-layer stage's prompt chunks ran 22-38% above the joint fit while the
     # 15-layer stages' fitted), so each P timed gets its own fit, which the sim prefers.
-    by_size = {}
+    by_size, errors_by_size = {}, {}
     for size in sizes:
-        by_size[size], size_errors = fit(samples[size])
-        _print_fit(f"P={size} ({args.timing})", samples[size], size_errors)
+        by_size[size], errors_by_size[size] = fit(samples[size])
+        _print_fit(f"P={size} ({args.timing})", samples[size], errors_by_size[size])
     # Streamed steps were timed with the other stages computing, so no factor is applied on
     # top of them (an empty concurrent_slowdown: the sim runs stages as separate servers).
     factors = slowdown_factors(slowdowns) if args.timing == "alone" else []
@@ -468,7 +468,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
                 "fitted_s": s.seconds * (1 + e),
             }
             for size in sizes
-            for s, e in zip(samples[size], fit(samples[size])[1], strict=True)
+            for s, e in zip(samples[size], errors_by_size[size], strict=True)
         ],
     }
     with open(args.output, "w") as f:
