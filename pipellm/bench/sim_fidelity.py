@@ -23,8 +23,8 @@ from pathlib import Path
 from pipellm.bench.pp_scaling import SETUPS, run_once
 from pipellm.bench.sim_steps import (
     StepRecorder,
-    machine_cpu_seconds,
-    own_cpu_seconds,
+    cpu_counters,
+    other_processes_cpu,
     print_summary,
     summarize,
 )
@@ -93,13 +93,11 @@ def main() -> None:
         args.concurrency = concurrency
         for setup in setups:
             recorder = StepRecorder()
-            machine, own = machine_cpu_seconds(), own_cpu_seconds()
+            start = cpu_counters()
             measured = run_once(setup, args, None, on_core=recorder if args.steps else None)
             # A real run is only as good as the quiet around it: CPU that other processes
             # took meanwhile (cpulock bench keeps the project's tests out, not everything).
-            # The two counters tick apart (clock ticks against rusage): a few ms below zero
-            # means none.
-            foreign = max(0.0, (machine_cpu_seconds() - machine) - (own_cpu_seconds() - own))
+            foreign = other_processes_cpu(start)
             measured["foreign_cpu_s"] = foreign
             predicted = predict(setup.engine_args, args, concurrency, profile)
             rows.append((setup.label, concurrency, measured, predicted))

@@ -49,6 +49,18 @@ def own_cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def cpu_counters() -> tuple[float, float]:
+    """(the machine's, this process tree's) CPU seconds so far: other_processes_cpu's start."""
+    return machine_cpu_seconds(), own_cpu_seconds()
+
+
+def other_processes_cpu(start: tuple[float, float]) -> float:
+    """CPU seconds that processes other than this one and its children took since `start`.
+    The two counters are sampled apart, so a few ms below zero means none."""
+    machine, own = start
+    return max(0.0, (machine_cpu_seconds() - machine) - (own_cpu_seconds() - own))
+
+
 @dataclass
 class Step:
     kind: str
@@ -177,9 +189,9 @@ def main() -> None:
     dump = {}
     for setup in [s for s in SETUPS if s.label[0] in args.setups and s.label[0] in "abc"]:
         recorder = StepRecorder()
-        machine, own = machine_cpu_seconds(), own_cpu_seconds()
+        start = cpu_counters()
         result = run_once(setup, args, None, on_core=recorder)
-        foreign = (machine_cpu_seconds() - machine) - (own_cpu_seconds() - own)
+        foreign = other_processes_cpu(start)
         steps = recorder.steps(args.profile)
         print(
             f"\n{setup.label}, concurrency {args.concurrency}: duration "
