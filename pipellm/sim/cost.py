@@ -14,8 +14,8 @@ for L layers, T tokens, R requests, A attention pairs, C context tokens (the KV 
 batch's requests read) and S sampled rows.
 
 Measured steps (a measured profile's grid, each shape's median time): a line cannot follow
-every kernel regime (this CPU's GEMMs keep 1-4 rows in registers and take more through an L1
-buffer, so 4-row decodes sit ~15% below the line and 8-row ones ~12% above it), so the line
+every kernel regime (an AVX2 CPU's GEMMs keep 1-4 rows in registers and take more through a
+buffer, so 4-row decodes sat 12-18% below the line and 8-row ones 12% above it), so the line
 is pulled toward the times measured at nearby shapes:
     time = line(b) x exp(sum_j w_j ln(measured_j / line(b_j)) / (W0 + sum_j w_j))
     w_j = exp(-d_j^2 / 2), d_j = |f(b) - f(b_j)| / SCALE, f(b) = ln(1 + (T, R, A, C))
