@@ -1,11 +1,13 @@
-"""The shared-memory all-reduce / all-gather between two processes: exact sums (every rank
-the same bits), chunks larger than a slot, other dtypes, and no segment left when a rank dies."""
+"""The shared-memory all-reduce / all-gather / broadcast between two processes: exact sums
+(every rank the same bits), chunks larger than a slot, other dtypes, broadcasts mixed with
+all-reduces, and no segment left when a rank dies."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 
 import pytest
@@ -28,6 +30,11 @@ def _inputs(rank: int) -> dict[str, torch.Tensor]:
     }
 
 
+# Rank 0 sends these in a row (it never waits for rank 1 to take one), an all-reduce between
+# the second and third; the long one spans three slots.
+BROADCASTS = [b"a schedule", bytes(range(256)) * (SLOT_BYTES // 128 + 1), b"x", b""]
+
+
 def _member(rank: int, port: int, results: mp.Queue) -> None:
     """Runs the collectives, reports them; then rank 1 waits to be killed and rank 0
     all-reduces once more, which must raise rather than hang."""
@@ -47,6 +54,17 @@ def _member(rank: int, port: int, results: mp.Queue) -> None:
         torch.ops.pipellm_shm.all_reduce_(out["decode_op"], comm.handle)
         out["gather"] = comm.all_gather(torch.full((3, 5), float(rank)))
         out["gather_chunked"] = comm.all_gather(_inputs(rank)["chunked"].view(2, -1))
+        received = []
+        for i, message in enumerate(BROADCASTS):
+            if i == 2:
+                out["after_broadcasts"] = comm.all_reduce_(_inputs(rank)["decode"])
+            if rank == 0:
+                comm.broadcast_send(message)
+            else:
+                received.append(comm.broadcast_recv())
+        out["after_broadcasts_2"] = comm.all_reduce_(_inputs(rank)["decode"])
+        if rank == 1:
+            assert received == BROADCASTS, [len(m) for m in received]
         # As numpy arrays: a tensor would travel as a shared fd that dies with this process.
         arrays = {name: x.float().numpy() for name, x in out.items()}
         results.put(("done", rank, (type(comm).__name__, arrays)))
@@ -94,6 +112,58 @@ def test_exact_sums_and_gathers_then_a_dead_rank_raises_and_leaves_no_segment(re
         assert torch.equal(got[0][name], got[1][name]), "every rank holds the same bits"
         torch.testing.assert_close(got[0][name], expected, rtol=0, atol=0)
     assert torch.equal(got[0]["decode_op"], got[0]["decode"])
+    for name in ("after_broadcasts", "after_broadcasts_2"):  # the slots were not mixed up
+        assert torch.equal(got[0][name], got[0]["decode"])
+        assert torch.equal(got[1][name], got[0]["decode"])
     assert torch.equal(got[0]["gather"], torch.tensor([[0.0] * 5 + [1.0] * 5] * 3))
     parts = [x["chunked"].view(2, -1) for x in (a, b)]
     assert torch.equal(got[1]["gather_chunked"], torch.cat(parts, dim=-1))
+
+
+def _receiver(rank: int, port: int, results: mp.Queue) -> None:
+    """Rank 0 sends one message and waits to be killed; rank 1 takes it, then waits (sleeping,
+    as an idle rank does) for a second one that never comes: it must raise, naming rank 0."""
+    import torch.distributed as dist
+
+    from pipellm.parallel.tp_group import make_tensor_parallel_comm
+
+    try:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
+        comm = make_tensor_parallel_comm(1, 2, 0)
+        if rank == 0:
+            comm.broadcast_send(b"hello")
+            results.put(("sent", rank, None))
+            signal.pause()  # killed by the test
+        results.put(("received", rank, comm.broadcast_recv()))
+        comm.broadcast_recv()
+        results.put(("received", rank, None))
+    except Exception:
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def test_a_rank_waiting_for_a_broadcast_from_a_dead_root_raises(reaped):
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_receiver, args=(r, port, results), daemon=True) for r in range(2)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        got = {}
+        for _ in range(2):
+            kind, rank, payload = results.get(timeout=TIMEOUT_S)
+            got[rank] = (kind, payload)
+        assert got == {0: ("sent", None), 1: ("received", b"hello")}
+        time.sleep(0.2)  # rank 1 is past its spin, asleep between polls
+        os.kill(processes[0].pid, signal.SIGKILL)
+        kind, rank, payload = results.get(timeout=TIMEOUT_S)
+        assert (kind, rank) == ("error", 1)
+        assert f"rank 0 (pid {processes[0].pid}) is gone" in payload
+    finally:
+        join_or_kill(processes, timeout_s=5)
+    assert not _our_segments(processes)

@@ -6,7 +6,8 @@ tokens decode --output-len tokens together; only the steps that decode all N seq
 count (medians). Timers (time.monotonic, one clock for every process of the host) wrap:
   engine: scheduling, the executor's submit (pickling and sending the schedule), the wait
           for the result, applying it;
-  ranks:  the schedule's arrival (the bytes read from the pipe) and unpickling, preparing
+  ranks:  the schedule's arrival (the bytes read from the pipe, or from the shared-memory
+          broadcast of the tensor-parallel driver) and unpickling, preparing
           the batch, the forward pass (its all-reduces apart: their time includes the wait for
           the slower rank), the logits (with their all-gather), sampling, sending the result.
 "Hand-over" is from the end of the engine's send to the rank holding the bytes; "return"
@@ -108,6 +109,16 @@ def _instrument_worker() -> None:
     worker_module.sample = _timed("sample", worker_module.sample)
     ShmComm.all_reduce_ = _timed("all_reduce", ShmComm.all_reduce_)
     ShmComm.all_gather = _timed("all_gather", ShmComm.all_gather)
+    broadcast_recv = ShmComm.broadcast_recv
+    received = [0]  # schedules arrive in submission order: the i-th is micro-batch i's
+
+    def timed_broadcast_recv(self, root: int = 0) -> bytes:
+        data = broadcast_recv(self, root)
+        RECORDS[received[0]]["at_received"] = time.monotonic()
+        received[0] += 1
+        return data
+
+    ShmComm.broadcast_recv = timed_broadcast_recv
 
 
 class _TimedConn:

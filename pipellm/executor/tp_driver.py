@@ -6,7 +6,10 @@ backend (executor/mp.py) gives every rank a process, so a decode step costs a th
 the cores, the schedule pickled to T pipes, and the result's return through a pipe, a reader
 thread and a future: ~0.65 ms of a one-sequence step here (bench/tp_decode_profile.py,
 docs/benchmarks.md, "Tensor parallelism, fourth pass"). Here rank 0 computes in `submit`, as
-one process with threads would, and only the other ranks need the schedule.
+one process with threads would, and only the other ranks need the schedule. It reaches them
+through the communicator's broadcast, not a pipe: a rank asleep in a pipe read woke ~0.1 ms
+after the write, late to the step's first all-reduce, which rank 0 then waited out; spinning
+on the segment it starts within microseconds (and sleeps once the engine idles).
 
 The ranks meet only through the shared-memory communicator (parallel/shm_comm.py): with one
 stage there are no hidden states to pass, so no torch.distributed group at all. The engine's
@@ -81,7 +84,11 @@ class TensorParallelDriverExecutor(Executor):
                     for tp_rank in range(1, self.tp_size)
                 ],
             )
-            self._finalizer = weakref.finalize(self, _reap, self.processes, self.conns, self.comm)
+            # Until a step fails, the ranks wait for the next schedule: a clean stop reaches them.
+            self._healthy = [True]
+            self._finalizer = weakref.finalize(
+                self, _reap, self.processes, self.conns, self.comm, self._healthy
+            )
             # Rank 0 loads its share here while the other ranks load theirs.
             from pipellm.worker.worker import StageWorker
 
@@ -109,12 +116,14 @@ class TensorParallelDriverExecutor(Executor):
             future.set_exception(WorkerDiedError(self.dead))
             return future
         try:
-            payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-            for conn in self.conns:
-                conn.send_bytes(payload)
+            self._healthy[0] = False  # until the step is done: the ranks may be mid-step
+            self.comm.broadcast_send(
+                pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+            )
             started = time.time()
             output = self.worker.execute(scheduler_output)
             output.stage_times = [(started, time.time())]
+            self._healthy[0] = True
             future.set_result(output)
         except (OSError, RuntimeError) as error:
             # A peer gone (a closed pipe, or the all-reduce's liveness check) or failed: say
@@ -168,11 +177,20 @@ class TensorParallelDriverExecutor(Executor):
         if finalizer is not None:
             finalizer()
         else:  # failed before the finalizer existed
-            _reap(self.processes, self.conns, self.comm)
+            _reap(self.processes, self.conns, self.comm, [False])
 
 
-def _reap(processes: list[mp.process.BaseProcess], conns: list[Connection], comm) -> None:
-    """Stops the rank processes (executor/mp.py's reap), then unmaps the segment."""
+def _reap(
+    processes: list[mp.process.BaseProcess], conns: list[Connection], comm, healthy: list[bool]
+) -> None:
+    """Tells the ranks to stop (an empty schedule), then reaps them (executor/mp.py's reap,
+    which ends any rank still waiting), then unmaps the segment. After a failed step the
+    ranks' collectives may be out of step, so nothing is broadcast then: reap ends them."""
+    if healthy[0] and all(process.is_alive() for process in processes):
+        try:
+            comm.broadcast_send(b"")
+        except RuntimeError:  # a rank died meanwhile: reap deals with it
+            pass
     reap(processes, conns)
     comm.close()
 
@@ -197,10 +215,10 @@ def rank_main(
         conn.send(StageFailed(traceback.format_exc()))
         return
     try:
-        scheduler_output = pickle.loads(conn.recv_bytes())
-        while scheduler_output is not None:
-            worker.execute(scheduler_output)
-            scheduler_output = pickle.loads(conn.recv_bytes())
+        payload = comm.broadcast_recv()
+        while payload:  # empty: stop
+            worker.execute(pickle.loads(payload))
+            payload = comm.broadcast_recv()
         comm.close()
     except BaseException:
         try:

@@ -18,6 +18,14 @@
 // overwritten while a peer still reads it, with one flag per rank and no second barrier.
 // Tensors larger than a slot go through in slot-sized chunks, one sequence number each.
 //
+// Broadcast (the engine's schedule to the other ranks of a tensor-parallel group, instead of a
+// pipe: a sleeping pipe reader wakes ~0.1 ms after the write here, a spinning one sees the flag
+// within a microsecond): the root writes its slot and publishes s without waiting, the others
+// wait for the root's flag, copy, and publish s. Since the root does not wait, every operation
+// first waits until each flag is >= s - 1 (everyone has finished s - 2, the last use of this
+// parity) before writing its slot; after a barrier that holds already, at the cost of a load
+// per rank.
+//
 // Waiting spins (pause) for ~50 us, then yields the core (sched_yield): with more ranks than
 // cores a spinning rank would otherwise hold the core its peer needs. While yielding it checks
 // every ~100 ms that its peers are alive (kill(pid, 0), /proc state) and throws, naming the dead one,
@@ -47,6 +55,12 @@ constexpr int kMaxRanks = 32;
 constexpr size_t kHeaderBytes = 4096;
 constexpr int64_t kSpinNs = 50'000;
 constexpr int64_t kLivenessCheckNs = 100'000'000;
+// A broadcast's receivers wait for the engine's next schedule, i.e. through the engine's work
+// between two steps (~0.3 ms at one sequence) or any idle time: they spin for kSpinNs, then
+// yield the core until kHandOverYieldNs (a step's gap), then sleep, 50 us doubling to 1 ms, so
+// that an idle group costs no core.
+constexpr int64_t kHandOverYieldNs = 2'000'000;
+constexpr int64_t kMaxSleepNs = 1'000'000;
 
 struct alignas(64) Flag {
   std::atomic<uint64_t> seq;
@@ -107,26 +121,43 @@ struct Comm {
     }
   }
 
+  // Waits until rank r's flag is >= s: spins, then yields, then (with `may_sleep`) sleeps.
+  void wait_for(int r, uint64_t s, bool may_sleep) const {
+    int64_t start = now_ns(), last_check = start, sleep_ns = 50'000;
+    uint32_t polls = 0;
+    while (header()->flags[r].seq.load(std::memory_order_acquire) < s) {
+      if ((++polls & 63) != 0) {
+        _mm_pause();
+        continue;
+      }
+      int64_t t = now_ns();
+      if (t - start < kSpinNs) continue;
+      if (may_sleep && t - start > kHandOverYieldNs) {
+        timespec pause{0, sleep_ns};
+        nanosleep(&pause, nullptr);
+        sleep_ns = std::min(2 * sleep_ns, kMaxSleepNs);
+      } else {
+        sched_yield();
+      }
+      if (t - last_check > kLivenessCheckNs) {
+        last_check = t;
+        check_peers();
+      }
+    }
+  }
+
+  // Every rank has finished collective s - 2, the last one to use s's parity of the slots.
+  void wait_until_slots_free(uint64_t s) const {
+    if (s < 2) return;
+    for (int r = 0; r < size; ++r) {
+      if (r != rank) wait_for(r, s - 1, false);
+    }
+  }
+
   // Publishes this rank's part of collective s and waits for everyone's.
   void arrive_and_wait(uint64_t s) {
     header()->flags[rank].seq.store(s, std::memory_order_release);
-    int64_t start = now_ns(), last_check = start;
-    for (int r = 0; r < size; ++r) {
-      uint32_t polls = 0;
-      while (header()->flags[r].seq.load(std::memory_order_acquire) < s) {
-        if ((++polls & 63) != 0) {
-          _mm_pause();
-          continue;
-        }
-        int64_t t = now_ns();
-        if (t - start < kSpinNs) continue;
-        sched_yield();
-        if (t - last_check > kLivenessCheckNs) {
-          last_check = t;
-          check_peers();
-        }
-      }
-    }
+    for (int r = 0; r < size; ++r) wait_for(r, s, false);
   }
 };
 
@@ -210,6 +241,7 @@ void all_reduce_(int64_t handle, torch::Tensor x) {
     const int64_t n = std::min(per_chunk, total - done);
     const uint64_t s = ++c.seq;
     char* mine = data + done * itemsize;
+    c.wait_until_slots_free(s);
     std::memcpy(c.slot(s, c.rank), mine, n * itemsize);
     c.arrive_and_wait(s);
     if (x.scalar_type() == torch::kFloat) {
@@ -237,10 +269,54 @@ void all_gather(int64_t handle, torch::Tensor x, torch::Tensor out) {
   for (int64_t done = 0; done < total; done += c.capacity) {
     const int64_t n = std::min(c.capacity, total - done);
     const uint64_t s = ++c.seq;
+    c.wait_until_slots_free(s);
     std::memcpy(c.slot(s, c.rank), data + done, n);
     c.arrive_and_wait(s);
     for (int r = 0; r < c.size; ++r) std::memcpy(dest + r * total + done, c.slot(s, r), n);
   }
+}
+
+// Rank `root` sends `data` to every other rank (which calls broadcast_recv). The root does not
+// wait for them: its next operation does, before it writes over the slot they read. Each
+// chunk starts with the whole message's length.
+void broadcast_send(int64_t handle, const std::string& data) {
+  Comm& c = *as_comm(handle);
+  const int64_t room = c.capacity - static_cast<int64_t>(sizeof(int64_t));
+  const int64_t total = static_cast<int64_t>(data.size());
+  int64_t done = 0;
+  do {
+    const int64_t n = std::min(room, total - done);
+    const uint64_t s = ++c.seq;
+    c.wait_until_slots_free(s);
+    char* slot = c.slot(s, c.rank);
+    std::memcpy(slot, &total, sizeof(total));
+    std::memcpy(slot + sizeof(total), data.data() + done, n);
+    c.header()->flags[c.rank].seq.store(s, std::memory_order_release);
+    done += n;
+  } while (done < total);
+}
+
+// Receives rank `root`'s broadcast_send. Waiting through idle time sleeps (Comm::wait_for),
+// and a root that died is named rather than waited for.
+py::bytes broadcast_recv(int64_t handle, int64_t root) {
+  Comm& c = *as_comm(handle);
+  std::string data;
+  {
+    py::gil_scoped_release no_gil;
+    int64_t total = 0, done = 0;
+    do {
+      const uint64_t s = ++c.seq;
+      c.wait_for(static_cast<int>(root), s, true);
+      const char* slot = c.slot(s, static_cast<int>(root));
+      std::memcpy(&total, slot, sizeof(total));
+      if (done == 0) data.resize(total);
+      const int64_t n = std::min(c.capacity - static_cast<int64_t>(sizeof(total)), total - done);
+      std::memcpy(data.data() + done, slot + sizeof(total), n);
+      c.header()->flags[c.rank].seq.store(s, std::memory_order_release);
+      done += n;
+    } while (done < total);
+  }
+  return py::bytes(data);
 }
 
 // The same all-reduce as an op, torch.ops.pipellm_shm.all_reduce_(x, handle), for C++ callers:
@@ -262,4 +338,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("all_gather", &all_gather, "every rank's tensor into out[rank]",
         py::call_guard<py::gil_scoped_release>());
+  m.def("broadcast_send", &broadcast_send, "the root's bytes to every other rank",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("broadcast_recv", &broadcast_recv, "the bytes the root rank sent");
 }

@@ -69,7 +69,8 @@ def remove_stale_segments() -> list[str]:
 
 
 class ShmComm:
-    """all_reduce_ and all_gather over one shared-memory segment per tensor-parallel group."""
+    """all_reduce_, all_gather and a byte broadcast over one shared-memory segment per
+    tensor-parallel group."""
 
     def __init__(self, handle: int, size: int, rank: int) -> None:
         self._lib = _library()
@@ -107,6 +108,14 @@ class ShmComm:
         self._lib.all_gather(self.handle, x, out)
         # [size, ..., w] -> [..., size * w]: each row's parts side by side, in rank order.
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def broadcast_send(self, data: bytes) -> None:
+        """Sends `data` to every other rank (each calls broadcast_recv); does not wait."""
+        self._lib.broadcast_send(self.handle, data)
+
+    def broadcast_recv(self, root: int = 0) -> bytes:
+        """The bytes rank `root` sent; raises RuntimeError, naming it, if the root died."""
+        return self._lib.broadcast_recv(self.handle, root)
 
     def close(self) -> None:
         if self.handle:
