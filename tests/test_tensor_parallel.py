@@ -82,16 +82,19 @@ def test_one_stage_runs_rank_0_in_the_engine_and_a_killed_rank_is_a_clear_error(
 
 def test_fused_decode_path_with_uneven_query_groups(tmp_path, reaped, monkeypatch):
     """6 query / 3 KV heads over 2 ranks: 3 query heads each, in runs of 2 + 1 and 1 + 2 per
-    KV head (model/tp_plan.py). Both ranks decode on the fused path (kernels/decode_layers.cpp:
-    the shared-memory all-reduce called from C++) and give the Python path's greedy tokens."""
+    KV head, k/v computed by rows (KV head 1 cut in half) and all-gathered (model/tp_plan.py).
+    Both ranks decode on the fused path (kernels/decode_layers.cpp: the shared-memory
+    all-reduce and all-gather called from C++) and give the Python path's greedy tokens, which
+    are one process's."""
     directory = make_tiny_checkpoint(
         tmp_path, arch="llama", num_layers=2, num_heads=6, num_kv_heads=3
     )
     mc = EngineConfig(str(directory)).model_config
-    assert [plan_tensor_parallel(mc, 2, r).kv_group_starts for r in (0, 1)] == [
-        (0, 2, 3),
-        (0, 1, 3),
-    ]
+    plans = [plan_tensor_parallel(mc, 2, r) for r in (0, 1)]
+    assert [p.kv_group_starts for p in plans] == [(0, 2, 3), (0, 1, 3)]
+    assert [p.kv_rows for p in plans] == [(0, 24), (24, 48)] and plans[0].exchanges_qkv
+    with LLM(str(directory), max_num_seqs=4) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     tokens = {}
     for fused in (True, False):
         if not fused:
@@ -101,7 +104,7 @@ def test_fused_decode_path_with_uneven_query_groups(tmp_path, reaped, monkeypatc
             assert (model.decode_fast_path is not None) == fused, why_not_fused(model)
             outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
             tokens[fused] = [o.outputs[0].token_ids for o in outputs]
-    assert tokens[True] == tokens[False]
+    assert tokens[True] == tokens[False] == expected
 
 
 def _param_bytes(model: torch.nn.Module) -> int:
@@ -151,29 +154,46 @@ def test_gguf_ranks_take_whole_blocks():
         return dict(iter_quantized_weights(config.source, mc, stage, shard_of))
 
     whole = layer0()
-    plan = plan_tensor_parallel(mc, 2, 1)  # query heads 5-8, KV heads 1-2; MLP 768-1535
+    # q rows 288-575 and k/v rows 96-191 (each cuts a head: the file permutes q/k rows
+    # within a head, so the loader unpermutes whole heads, then cuts); MLP 768-1535.
+    plan = plan_tensor_parallel(mc, 2, 1)
     part = layer0(plan.weight_shard)
-    down = "model.layers.0.mlp.down_proj.weight"
-    bytes_per_row = whole[down].blocks.shape[1]
-    assert torch.equal(part[down].blocks, whole[down].blocks[:, bytes_per_row // 2 :])
-    q = "model.layers.0.self_attn.q_proj.weight"
-    assert torch.equal(part[q].blocks, whole[q].blocks[5 * 64 :])
-    k = "model.layers.0.self_attn.k_proj.weight"
-    assert torch.equal(part[k].blocks, whole[k].blocks[1 * 64 :])
+    for name in ("mlp.down_proj", "self_attn.o_proj"):  # input columns: whole blocks
+        weight = f"model.layers.0.{name}.weight"
+        bytes_per_row = whole[weight].blocks.shape[1]
+        assert torch.equal(part[weight].blocks, whole[weight].blocks[:, bytes_per_row // 2 :])
+    for name, first_row in (("q_proj", 288), ("k_proj", 96), ("v_proj", 96)):
+        weight = f"model.layers.0.self_attn.{name}.weight"
+        assert torch.equal(part[weight].blocks, whole[weight].blocks[first_row:])
 
 
-def test_query_heads_split_evenly_with_the_kv_heads_they_use():
-    """SmolLM2's 9 query / 3 KV heads over 2 ranks: 5 + 4 query heads (not 6 + 3 by whole KV
-    groups), KV head 1 on both ranks, and the uneven runs the attention kernels take."""
+def test_straddling_heads_split_the_weights_evenly_and_gather_their_rows():
+    """SmolLM2's 9 query / 3 KV heads over 2 ranks: every projection split in half by rows or
+    columns; query head 4 (cut by o_proj's split) and KV head 1 attended on both ranks, their
+    rows all-gathered; the uneven runs the attention kernels take. Over 3 ranks heads and KV
+    groups divide: plain GQA, no gather."""
     mc = EngineConfig(tensor_parallel_size=2, num_threads=1).model_config
     ranks = [plan_tensor_parallel(mc, 2, r) for r in range(2)]
-    assert [(p.q_heads, p.kv_heads) for p in ranks] == [((0, 5), (0, 2)), ((5, 9), (1, 3))]
-    assert [p.kv_group_starts for p in ranks] == [(0, 3, 5), (0, 1, 4)]
-    three = [plan_tensor_parallel(mc, 3, r) for r in range(3)]  # whole groups: plain GQA
-    assert [(p.q_heads, p.kv_heads, p.kv_group_starts) for p in three] == [
-        ((0, 3), (0, 1), None),
-        ((3, 6), (1, 2), None),
-        ((6, 9), (2, 3), None),
+    assert [(p.q_rows, p.kv_rows, p.o_columns) for p in ranks] == [
+        ((0, 288), (0, 96), (0, 288)),
+        ((288, 576), (96, 192), (288, 576)),
+    ]
+    assert [(p.q_heads, p.kv_heads, p.o_offset) for p in ranks] == [
+        ((0, 5), (0, 2), 0),
+        ((4, 9), (1, 3), 32),
+    ]
+    assert [p.kv_group_starts for p in ranks] == [(0, 3, 5), (0, 2, 5)]
+    assert all(p.exchanges_qkv and p.qkv_width == 480 for p in ranks)
+    index = ranks[1].qkv_gather_index(ranks)
+    # Rank 1's q rows 256-575 (heads 4-8): 256-287 from rank 0's part, the rest its own (at
+    # 480); then k rows 64-191 (KV heads 1-2): 64-95 from rank 0 (its k rows start at 288).
+    assert index[:33] == list(range(256, 288)) + [480]
+    assert index[320:353] == list(range(288 + 64, 288 + 96)) + [480 + 288]
+    three = [plan_tensor_parallel(mc, 3, r) for r in range(3)]
+    assert [(p.q_heads, p.kv_heads, p.kv_group_starts, p.exchanges_qkv) for p in three] == [
+        ((0, 3), (0, 1), None, False),
+        ((3, 6), (1, 2), None, False),
+        ((6, 9), (2, 3), None, False),
     ]
 
 

@@ -14,6 +14,9 @@
 // after down_proj, where the Python path's Attention and MLP all-reduce, it calls the same
 // shared-memory all-reduce (pipellm/parallel/shm_comm.cpp, registered as the op
 // pipellm_shm::all_reduce_), and the attention kernel gets the rank's uneven query groups.
+// Where heads straddle the ranks (model/tp_plan.py), q/k/v are computed by rows and
+// all-gathered (pipellm_shm::all_gather) before attention, and o_proj takes a slice of the
+// heads' outputs, as Attention.forward does.
 //
 // A DecodeLayers object (a TorchScript custom class) holds a stage's weights, built once at
 // load; the KV caches, allocated after the weights, are bound later with set_caches.
@@ -52,6 +55,7 @@ using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&
                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                          at::OptionalIntArrayRef);
 using AllReduceFn = void(const at::Tensor&, int64_t);
+using AllGatherFn = void(const at::Tensor&, const at::Tensor&, int64_t);
 
 // How a linear layer computes (model/linear.py's PackedLinear, model/gguf_linear.py's
 // QuantizedLinear); the Python side passes these codes.
@@ -74,15 +78,22 @@ class DecodeLayers : public torch::CustomClassHolder {
   // none), methods, kinds and out_features. group_starts: each KV head's first query head
   // and the end (model/tp_plan.py's kv_group_starts), empty where the groups are even.
   // all_reduce_handle: the tensor-parallel group's shared-memory communicator (ShmComm's
-  // handle), 0 without tensor parallelism.
+  // handle), 0 without tensor parallelism. qkv_gather = (tp_size, qkv_width) and
+  // gather_index (Attention.gather_index) where q/k/v rows are all-gathered, else empty;
+  // o_slice = (o_offset, o_columns) where o_proj takes part of the heads' outputs, else empty.
   DecodeLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
                std::vector<at::Tensor> biases, std::vector<int64_t> methods,
                std::vector<int64_t> kinds, std::vector<int64_t> out_features, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-               std::vector<int64_t> group_starts, int64_t all_reduce_handle)
+               std::vector<int64_t> group_starts, int64_t all_reduce_handle,
+               std::vector<int64_t> qkv_gather, at::Tensor gather_index,
+               std::vector<int64_t> o_slice)
       : norms_(std::move(norms)),
         group_starts_(std::move(group_starts)),
         all_reduce_handle_(all_reduce_handle),
+        qkv_gather_(std::move(qkv_gather)),
+        gather_index_(std::move(gather_index)),
+        o_slice_(std::move(o_slice)),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -103,6 +114,14 @@ class DecodeLayers : public torch::CustomClassHolder {
       all_reduce_ = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("pipellm_shm::all_reduce_", "")
                         .typed<AllReduceFn>();
+    TORCH_CHECK(qkv_gather_.empty() || (qkv_gather_.size() == 2 && all_reduce_handle_ != 0),
+                "DecodeLayers: qkv_gather is (tp_size, qkv_width), with a communicator");
+    TORCH_CHECK(o_slice_.empty() || o_slice_.size() == 2, "DecodeLayers: o_slice is "
+                "(o_offset, o_columns)");
+    if (!qkv_gather_.empty())
+      all_gather_ = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("pipellm_shm::all_gather", "")
+                        .typed<AllGatherFn>();
     const size_t count = weights.size();
     TORCH_CHECK(count % kLinearsPerLayer == 0 && biases.size() == count &&
                     methods.size() == count && kinds.size() == count &&
@@ -155,14 +174,16 @@ class DecodeLayers : public torch::CustomClassHolder {
         residual = x;
       }
       // Attention.forward
-      const at::Tensor qkv = apply(linear[0], h).view({tokens, -1, head_dim_});
+      const at::Tensor qkv = gather_heads(apply(linear[0], h)).view({tokens, -1, head_dim_});
       rotary_and_cache_.call(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads_,
                              num_kv_heads_);
       const at::Tensor q = qkv.narrow(1, 0, num_heads_);
       const at::Tensor attended = at::empty(q.sizes(), q.options());
       paged_decode_attention_.call(attended, q, key_cache, value_cache, block_tables,
                                    context_lens, scale_, group_starts());
-      const at::Tensor out = apply(linear[1], attended.view({tokens, -1}));
+      at::Tensor heads_out = attended.view({tokens, -1});
+      if (!o_slice_.empty()) heads_out = heads_out.narrow(1, o_slice_[0], o_slice_[1]).contiguous();
+      const at::Tensor out = apply(linear[1], heads_out);
       all_reduce(out);  // Attention.forward's
       h = add_rms_norm_.call(out, residual, norms_[kNormsPerLayer * l + 1], eps_);
       // MLP.forward
@@ -177,6 +198,17 @@ class DecodeLayers : public torch::CustomClassHolder {
   at::OptionalIntArrayRef group_starts() const {
     if (group_starts_.empty()) return std::nullopt;
     return at::IntArrayRef(group_starts_);
+  }
+
+  // The computed q/k/v rows [T, w] -> this rank's heads' rows: all-gathered (each rank's part
+  // padded to qkv_width), then picked by gather_index. Unchanged where no head straddles.
+  at::Tensor gather_heads(at::Tensor qkv) {
+    if (qkv_gather_.empty()) return qkv;
+    const int64_t tokens = qkv.size(0), size = qkv_gather_[0], width = qkv_gather_[1];
+    if (qkv.size(1) < width) qkv = at::constant_pad_nd(qkv, {0, width - qkv.size(1)});
+    at::Tensor parts = at::empty({size, tokens, width}, qkv.options());
+    all_gather_->call(qkv.contiguous(), parts, all_reduce_handle_);
+    return parts.permute({1, 0, 2}).reshape({tokens, size * width}).index_select(1, gather_index_);
   }
 
   // The row-parallel partial sums added over the ranks, in place; nothing without TP.
@@ -203,6 +235,9 @@ class DecodeLayers : public torch::CustomClassHolder {
   std::vector<at::Tensor> caches_;
   std::vector<int64_t> group_starts_;
   int64_t all_reduce_handle_;
+  std::vector<int64_t> qkv_gather_;
+  at::Tensor gather_index_;
+  std::vector<int64_t> o_slice_;
   int64_t num_layers_ = 0;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double scale_, eps_;
@@ -216,6 +251,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   // int8_linear.cpp's op, looked up only where a layer uses it.
   std::optional<c10::TypedOperatorHandle<QuantizedLinearFn>> quantized_linear_int8_;
   std::optional<c10::TypedOperatorHandle<AllReduceFn>> all_reduce_;
+  std::optional<c10::TypedOperatorHandle<AllGatherFn>> all_gather_;
 };
 
 }  // namespace
@@ -224,7 +260,8 @@ PIPELLM_LIBRARY_FRAGMENT(m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
-                       int64_t, int64_t, double, double, std::vector<int64_t>, int64_t>())
+                       int64_t, int64_t, double, double, std::vector<int64_t>, int64_t,
+                       std::vector<int64_t>, at::Tensor, std::vector<int64_t>>())
       .def("set_caches", &DecodeLayers::set_caches)
       .def("forward", &DecodeLayers::forward);
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Container, Iterator
 from contextlib import ExitStack
@@ -182,9 +183,8 @@ def iter_quantized_weights(
     for name in _Stage(config, stage).weight_names(tensors):
         tensor = tensors.get(name)
         if tensor is not None and tensor.tensor_type in KERNEL_KINDS and len(tensor.shape) == 2:
-            data = _shard_data(name, tensor, shard_of(name))
-            blocks = torch.from_numpy(data.copy())  # [rows, bytes]: own it, off the map
-            yield name, QuantizedWeight(tensor.tensor_type, _hf_rows(name, blocks, config))
+            blocks = _hf_shard(name, tensor, shard_of(name), config, _own_bytes)
+            yield name, QuantizedWeight(tensor.tensor_type, blocks)
 
 
 def check_gguf_tensor_parallel(source: ModelSource, plans: list[TensorParallelPlan]) -> None:
@@ -213,8 +213,34 @@ def _iter_gguf(path: Path, stage: _Stage, dtype: torch.dtype) -> Iterator[tuple[
         if name not in tensors:
             raise _missing(path, name)
         tensor = tensors[name]
-        data = _shard_data(name, tensor, stage.shard_of(name))
-        yield name, _hf_rows(name, _dequantize(tensor, data), stage.config).to(dtype)
+        rows = _hf_shard(name, tensor, stage.shard_of(name), stage.config, _dequantize)
+        yield name, rows.to(dtype)
+
+
+def _own_bytes(tensor: gguf.ReaderTensor, data: np.ndarray) -> torch.Tensor:
+    """Quantized rows [rows, bytes] as they are in the file: owned, off the map."""
+    del tensor
+    return torch.from_numpy(data.copy())
+
+
+def _hf_shard(
+    name: str,
+    tensor: gguf.ReaderTensor,
+    shard: WeightShard | None,
+    config: ModelConfig,
+    convert: Callable[[gguf.ReaderTensor, np.ndarray], torch.Tensor],
+) -> torch.Tensor:
+    """The rank's part of a GGUF tensor in Hugging Face row order, `convert`ed (dequantized, or
+    kept as block bytes). q/k rows are permuted within each head in the file (_hf_rows): a
+    part that cuts a head (tensor parallelism by rows, model/tp_plan.py) reads the heads it
+    touches whole, unpermutes them, then keeps its rows."""
+    if shard is not None and shard.dim == 0 and _is_rope_permuted(name):
+        d = config.head_dim
+        first, stop = shard.start // d * d, -(-shard.stop // d) * d
+        whole_heads = dataclasses.replace(shard, start=first, stop=stop)
+        rows = _hf_rows(name, convert(tensor, _shard_data(name, tensor, whole_heads)), config)
+        return rows[shard.start - first : shard.stop - first]
+    return _hf_rows(name, convert(tensor, _shard_data(name, tensor, shard)), config)
 
 
 def _shard_data(name: str, tensor: gguf.ReaderTensor, shard: WeightShard | None) -> np.ndarray:
@@ -238,10 +264,14 @@ def _shard_data(name: str, tensor: gguf.ReaderTensor, shard: WeightShard | None)
 def _hf_rows(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """llama.cpp's converter permutes q/k rows for its rope layout; the model uses HF's. Works
     on dequantized weights and on quantized block rows alike: each row is one output."""
-    if ".q_proj." in name or ".k_proj." in name:
+    if _is_rope_permuted(name):
         # Per head: a tensor-parallel rank's whole heads unpermute alike.
         return _unpermute_rope_rows(rows, rows.shape[0] // config.head_dim)
     return rows
+
+
+def _is_rope_permuted(name: str) -> bool:
+    return ".q_proj." in name or ".k_proj." in name
 
 
 def _hf_name(gguf_name: str) -> str | None:

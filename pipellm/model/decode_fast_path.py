@@ -9,7 +9,8 @@ reference and serves everything else: prefills and mixed batches, and any layer 
 not cover. PIPELLM_DECODE_FAST_PATH=0 turns it off, e.g. to compare.
 
 With tensor parallelism every rank takes it too: DecodeLayers calls the shared-memory
-all-reduce (parallel/shm_comm.cpp) where Attention and MLP call comm.all_reduce_, and passes
+all-reduce (parallel/shm_comm.cpp) where Attention and MLP call comm.all_reduce_ (and its
+all-gather where Attention gathers the q/k/v rows of heads that straddle ranks), and passes
 the rank's uneven query groups to the attention kernel. Over gloo (ranks on several hosts)
 the all-reduce is torch.distributed's, out of C++'s reach: those ranks keep the Python path.
 """
@@ -96,6 +97,12 @@ class DecodeFastPath:
         first = stage.layers[0].self_attn if len(stage.layers) else None
         # Every layer of a rank holds the same heads (model/tp_plan.py).
         group_starts = list(first.group_starts or ()) if first else []
+        gathers = first is not None and first.gather_index is not None
+        qkv_gather = [stage.comm.size, first.qkv_width] if gathers else []
+        gather_index = first.gather_index if gathers else torch.empty(0, dtype=torch.long)
+        o_columns = first.o_proj.in_features if first else 0
+        sliced = first is not None and o_columns != first.num_heads * stage.config.head_dim
+        o_slice = [first.o_offset, o_columns] if sliced else []
         self.comm = stage.comm  # kept: DecodeLayers holds its handle
         self.layers = kernel_class("DecodeLayers")(
             [norm.detach() for norm in norms],
@@ -111,6 +118,9 @@ class DecodeFastPath:
             stage.config.rms_norm_eps,
             group_starts,
             stage.comm.handle if stage.comm is not None else 0,
+            qkv_gather,
+            gather_index,
+            o_slice,
         )
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 

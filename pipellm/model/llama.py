@@ -56,12 +56,26 @@ FUSED_PROJECTIONS = {
 }
 
 
+def qkv_gather_index(config: ModelConfig, tp: TensorParallelPlan) -> torch.Tensor | None:
+    """Where each row of this rank's heads' q/k/v sits in the all-gathered computed rows
+    (model/tp_plan.py); None where each rank computes exactly its heads' rows."""
+    if not tp.exchanges_qkv:
+        return None
+    plans = [plan_tensor_parallel(config, tp.size, r) for r in range(tp.size)]
+    return torch.tensor(tp.qkv_gather_index(plans), dtype=torch.long)
+
+
 class Attention(nn.Module):
     """This rank's heads (all of them without tensor parallelism): qkv_proj column-parallel,
-    o_proj row-parallel, one all-reduce (see model/tp_plan.py)."""
+    o_proj row-parallel, one all-reduce; where heads straddle the ranks, q/k/v by rows and an
+    all-gather first (see model/tp_plan.py)."""
 
     def __init__(
-        self, config: ModelConfig, tp: TensorParallelPlan, comm: TensorParallelComm | None
+        self,
+        config: ModelConfig,
+        tp: TensorParallelPlan,
+        comm: TensorParallelComm | None,
+        gather_index: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = tp.num_heads
@@ -70,13 +84,14 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.comm = comm
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(
-            config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias
-        )
+        self.gather_index = gather_index  # computed q/k/v rows -> this rank's heads' rows
+        self.qkv_width = tp.qkv_width
+        self.qkv_proj = FusedLinear(config.hidden_size, tp.computed_qkv_rows, config.attention_bias)
+        # o_proj's input columns: a slice of the heads' outputs where they straddle ranks.
+        self.o_offset, o_columns = tp.o_offset, tp.o_columns[1] - tp.o_columns[0]
         # The partial sums are added up by the all-reduce: rank 0 alone adds the bias.
         bias = config.attention_output_bias and tp.rank == 0
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(o_columns, config.hidden_size, bias=bias)
 
     def forward(
         self,
@@ -86,12 +101,20 @@ class Attention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, -1, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.gather_index is not None:
+            pad = self.qkv_width - qkv.shape[1]
+            parts = self.comm.all_gather(nn.functional.pad(qkv, (0, pad)) if pad else qkv)
+            qkv = parts.index_select(1, self.gather_index)
+        qkv = qkv.view(t, -1, self.head_dim)
         q, k, v = rotate_and_cache(
             qkv, cos_sin, *kv_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads
         )
         out = paged_attention(q, k, v, *kv_cache, batch, self.scale, self.group_starts)
-        out = self.o_proj(out.view(t, -1))
+        out = out.view(t, -1)
+        if out.shape[1] != self.o_proj.in_features:
+            out = out[:, self.o_offset : self.o_offset + self.o_proj.in_features].contiguous()
+        out = self.o_proj(out)
         return out if self.comm is None else self.comm.all_reduce_(out)
 
 
@@ -114,11 +137,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, tp: TensorParallelPlan, comm: TensorParallelComm | None
+        self,
+        config: ModelConfig,
+        tp: TensorParallelPlan,
+        comm: TensorParallelComm | None,
+        gather_index: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp, comm)
+        self.self_attn = Attention(config, tp, comm, gather_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, tp, comm)
 
@@ -167,11 +194,12 @@ class LlamaStage(nn.Module):
         hidden, vocab = config.hidden_size, tp.vocab_size
         # NOTE: built on the meta device: weights arrive from the loader (or the dummy
         # initializer) as ready tensors, so random init and a second copy are never paid for.
+        gather_index = qkv_gather_index(config, tp) if comm is not None else None
         with torch.device("meta"):
             needs_embedding = is_first or (is_last and config.tie_word_embeddings)
             self.embed_tokens = nn.Embedding(vocab, hidden) if needs_embedding else None
             self.layers = nn.ModuleList(
-                DecoderLayer(config, tp, comm) for _ in range(layer_start, layer_end)
+                DecoderLayer(config, tp, comm, gather_index) for _ in range(layer_start, layer_end)
             )
             self.norm = RMSNorm(hidden, config.rms_norm_eps) if is_last else None
             self.lm_head = None

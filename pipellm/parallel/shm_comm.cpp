@@ -324,10 +324,16 @@ py::bytes broadcast_recv(int64_t handle, int64_t root) {
 // tensor parallelism, so the kernels never need this library otherwise.
 void all_reduce_op(const at::Tensor& x, int64_t handle) { all_reduce_(handle, x); }
 
+// And the all-gather (out: [size, *x.shape]), for the q/k/v rows of heads that straddle ranks.
+void all_gather_op(const at::Tensor& x, const at::Tensor& out, int64_t handle) {
+  all_gather(handle, x, out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pipellm_shm, m) {
   m.def("all_reduce_(Tensor(a!) x, int handle) -> ()", &all_reduce_op);
+  m.def("all_gather(Tensor x, Tensor(a!) out, int handle) -> ()", &all_gather_op);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
