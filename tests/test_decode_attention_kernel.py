@@ -74,7 +74,7 @@ def test_kernel_matches_reference(kernel_ops, head_dim, heads, kv_heads):
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, scale))
 
 
-@pytest.mark.parametrize("starts", [(0, 3, 5), (0, 1, 4), (0, 2, 2, 5)])
+@pytest.mark.parametrize("starts", [(0, 3, 5), (0, 2, 5), (0, 1, 4), (0, 2, 2, 5)])
 def test_kernel_uneven_groups(kernel_ops, starts):
     """A tensor-parallel rank's heads: KV head h serves query heads [starts[h], starts[h+1])."""
     lens = [1, 17, 130]

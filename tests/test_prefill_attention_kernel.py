@@ -55,8 +55,8 @@ def test_prefill_kernel_rejects_bad_shapes(kernel_ops):
 
 
 # Uneven query heads per KV head, as a tensor-parallel rank holds them (SmolLM2's 9 query / 3
-# KV heads over 2 ranks: query heads 0-4 on KV heads 0-1, query heads 5-8 on KV heads 1-2).
-@pytest.mark.parametrize("starts", [(0, 3, 5), (0, 1, 4), (0, 2, 2, 5)])
+# KV heads over 2 ranks: query heads 0-4 on KV heads 0-1, query heads 4-8 on KV heads 1-2).
+@pytest.mark.parametrize("starts", [(0, 3, 5), (0, 2, 5), (0, 1, 4), (0, 2, 2, 5)])
 @pytest.mark.parametrize("length", [5, 64, 130])
 def test_prefill_kernel_uneven_groups(kernel_ops, starts, length):
     heads, kv_heads, head_dim = starts[-1], len(starts) - 1, 64

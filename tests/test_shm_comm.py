@@ -35,19 +35,43 @@ def _inputs(rank: int) -> dict[str, torch.Tensor]:
 BROADCASTS = [b"a schedule", bytes(range(256)) * (SLOT_BYTES // 128 + 1), b"x", b""]
 
 
-def _member(rank: int, port: int, results: mp.Queue) -> None:
-    """Runs the collectives, reports them; then rank 1 waits to be killed and rank 0
-    all-reduces once more, which must raise rather than hang."""
+def _join_group(rank: int, port: int):
+    """This process as rank `rank` of a 2-process gloo group, and the group's communicator."""
     import torch.distributed as dist
 
     from pipellm.parallel.tp_group import make_tensor_parallel_comm
 
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    return make_tensor_parallel_comm(1, 2, 0)
+
+
+def _start_pair(target) -> tuple[list[mp.Process], mp.Queue]:
+    """Two spawned processes running target(rank, port, results), and their results queue."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=target, args=(r, port, results), daemon=True) for r in range(2)
+    ]
+    for process in processes:
+        process.start()
+    return processes, results
+
+
+def _kill_and_expect_named(processes: list[mp.Process], results: mp.Queue, dead: int) -> None:
+    """SIGKILLs rank `dead`; the other rank, waiting on it, must raise and name it."""
+    os.kill(processes[dead].pid, signal.SIGKILL)
+    kind, rank, payload = results.get(timeout=TIMEOUT_S)
+    assert (kind, rank) == ("error", 1 - dead)
+    assert f"rank {dead} (pid {processes[dead].pid}) is gone" in payload
+
+
+def _member(rank: int, port: int, results: mp.Queue) -> None:
+    """Runs the collectives, reports them; then rank 1 waits to be killed and rank 0
+    all-reduces once more, which must raise rather than hang."""
     try:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-        )
-        comm = make_tensor_parallel_comm(1, 2, 0)
+        comm = _join_group(rank, port)
         out = {name: comm.all_reduce_(x.clone()) for name, x in _inputs(rank).items()}
         # The same collective as the op C++ callers use (kernels/decode_layers.cpp).
         out["decode_op"] = _inputs(rank)["decode"]
@@ -83,14 +107,7 @@ def _our_segments(processes: list[mp.Process]) -> list[str]:
 
 
 def test_exact_sums_and_gathers_then_a_dead_rank_raises_and_leaves_no_segment(reaped):
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_member, args=(r, port, results), daemon=True) for r in range(2)
-    ]
-    for process in processes:
-        process.start()
+    processes, results = _start_pair(_member)
     try:
         got = {}
         for _ in range(2):
@@ -99,10 +116,7 @@ def test_exact_sums_and_gathers_then_a_dead_rank_raises_and_leaves_no_segment(re
             assert payload[0] == "ShmComm"
             got[rank] = {name: torch.from_numpy(x) for name, x in payload[1].items()}
         assert not _our_segments(processes), "the name is removed once both ranks mapped it"
-        os.kill(processes[1].pid, signal.SIGKILL)
-        kind, rank, payload = results.get(timeout=TIMEOUT_S)
-        assert (kind, rank) == ("error", 0)
-        assert f"rank 1 (pid {processes[1].pid}) is gone" in payload
+        _kill_and_expect_named(processes, results, 1)
     finally:
         join_or_kill(processes, timeout_s=5)
     assert not _our_segments(processes)
@@ -123,16 +137,8 @@ def test_exact_sums_and_gathers_then_a_dead_rank_raises_and_leaves_no_segment(re
 def _receiver(rank: int, port: int, results: mp.Queue) -> None:
     """Rank 0 sends one message and waits to be killed; rank 1 takes it, then waits (sleeping,
     as an idle rank does) for a second one that never comes: it must raise, naming rank 0."""
-    import torch.distributed as dist
-
-    from pipellm.parallel.tp_group import make_tensor_parallel_comm
-
     try:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-        )
-        comm = make_tensor_parallel_comm(1, 2, 0)
+        comm = _join_group(rank, port)
         if rank == 0:
             comm.broadcast_send(b"hello")
             results.put(("sent", rank, None))
@@ -145,14 +151,7 @@ def _receiver(rank: int, port: int, results: mp.Queue) -> None:
 
 
 def test_a_rank_waiting_for_a_broadcast_from_a_dead_root_raises(reaped):
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_receiver, args=(r, port, results), daemon=True) for r in range(2)
-    ]
-    for process in processes:
-        process.start()
+    processes, results = _start_pair(_receiver)
     try:
         got = {}
         for _ in range(2):
@@ -160,10 +159,7 @@ def test_a_rank_waiting_for_a_broadcast_from_a_dead_root_raises(reaped):
             got[rank] = (kind, payload)
         assert got == {0: ("sent", None), 1: ("received", b"hello")}
         time.sleep(0.2)  # rank 1 is past its spin, asleep between polls
-        os.kill(processes[0].pid, signal.SIGKILL)
-        kind, rank, payload = results.get(timeout=TIMEOUT_S)
-        assert (kind, rank) == ("error", 1)
-        assert f"rank 0 (pid {processes[0].pid}) is gone" in payload
+        _kill_and_expect_named(processes, results, 0)
     finally:
         join_or_kill(processes, timeout_s=5)
     assert not _our_segments(processes)

@@ -50,10 +50,11 @@ def test_two_and_three_stages_give_the_same_tokens(single_stage, reaped):
 
 
 def test_tensor_parallel_gives_the_same_tokens(single_stage, reaped):
-    """T = 2 splits SmolLM2's 9 query / 3 KV heads 5 + 4 (KV heads 0-1 and 1-2: uneven query
-    runs per KV head in the attention kernels) and its Q4_1 rows on their 32-value blocks;
-    alone and with two pipeline stages (4 ranks, 1 thread each), the greedy tokens are one
-    process's."""
+    """T = 2 splits each of SmolLM2's projections in half: q/k/v rows cutting query head 4 and
+    KV head 1 (all-gathered; heads 0-4 on KV heads 0-1 and 4-8 on 1-2: uneven query runs
+    per KV head in the attention kernels), o_proj's and down_proj's Q4_1 columns on their
+    32-value blocks; alone and with two pipeline stages (4 ranks, 1 thread each), the greedy
+    tokens are one process's."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in single_stage.generate(PROMPTS, params)]
     for tp, pp in ((2, 1), (2, 2)):

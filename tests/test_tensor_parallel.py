@@ -165,6 +165,10 @@ def test_gguf_ranks_take_whole_blocks():
     for name, first_row in (("q_proj", 288), ("k_proj", 96), ("v_proj", 96)):
         weight = f"model.layers.0.self_attn.{name}.weight"
         assert torch.equal(part[weight].blocks, whole[weight].blocks[first_row:])
+    # Every matrix of the layer is split exactly in half: no rank streams more than its share.
+    assert part.keys() == whole.keys()
+    for name, weight in whole.items():
+        assert part[name].blocks.numel() * 2 == weight.blocks.numel(), name
 
 
 def test_straddling_heads_split_the_weights_evenly_and_gather_their_rows():
