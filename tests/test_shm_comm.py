@@ -35,6 +35,18 @@ def _inputs(rank: int) -> dict[str, torch.Tensor]:
 BROADCASTS = [b"a schedule", bytes(range(256)) * (SLOT_BYTES // 128 + 1), b"x", b""]
 
 
+def _wide(rank: int) -> torch.Tensor:
+    """Rows of 1000 floats, more of them than one slot holds."""
+    return torch.randn(
+        SLOT_BYTES // 4000 * 2 + 3, 1000, generator=torch.Generator().manual_seed(rank)
+    )
+
+
+def _picked(width: int) -> torch.Tensor:
+    """Columns of 2 ranks' rows side by side: some of each, out of order, one twice."""
+    return torch.tensor([2 * width - 1, 0, 5, width + 3, width + 3, width - 1, width])
+
+
 def _join_group(rank: int, port: int):
     """This process as rank `rank` of a 2-process gloo group, and the group's communicator."""
     import torch.distributed as dist
@@ -78,6 +90,9 @@ def _member(rank: int, port: int, results: mp.Queue) -> None:
         torch.ops.pipellm_shm.all_reduce_(out["decode_op"], comm.handle)
         out["gather"] = comm.all_gather(torch.full((3, 5), float(rank)))
         out["gather_chunked"] = comm.all_gather(_inputs(rank)["chunked"].view(2, -1))
+        # Columns picked from the ranks' rows side by side, in and across slot-sized chunks.
+        for name, rows in (("columns", _inputs(rank)["decode"]), ("columns_chunked", _wide(rank))):
+            out[name] = comm.all_gather_columns(rows, _picked(rows.shape[1]))
         received = []
         for i, message in enumerate(BROADCASTS):
             if i == 2:
@@ -130,6 +145,13 @@ def test_exact_sums_and_gathers_then_a_dead_rank_raises_and_leaves_no_segment(re
         assert torch.equal(got[0][name], got[0]["decode"])
         assert torch.equal(got[1][name], got[0]["decode"])
     assert torch.equal(got[0]["gather"], torch.tensor([[0.0] * 5 + [1.0] * 5] * 3))
+    for name, rows in (
+        ("columns", [a["decode"], b["decode"]]),
+        ("columns_chunked", [_wide(0), _wide(1)]),
+    ):
+        side_by_side = torch.cat(rows, dim=-1)
+        expected = side_by_side[:, _picked(rows[0].shape[1])]
+        assert torch.equal(got[0][name], expected) and torch.equal(got[1][name], expected), name
     parts = [x["chunked"].view(2, -1) for x in (a, b)]
     assert torch.equal(got[1]["gather_chunked"], torch.cat(parts, dim=-1))
 

@@ -15,7 +15,7 @@
 // shared-memory all-reduce (pipellm/parallel/shm_comm.cpp, registered as the op
 // pipellm_shm::all_reduce_), and the attention kernel gets the rank's uneven query groups.
 // Where heads straddle the ranks (model/tp_plan.py), q/k/v are computed by rows and
-// all-gathered (pipellm_shm::all_gather) before attention, and o_proj takes a slice of the
+// all-gathered (pipellm_shm::all_gather_columns) before attention, and o_proj takes a slice of the
 // heads' outputs, as Attention.forward does.
 //
 // A DecodeLayers object (a TorchScript custom class) holds a stage's weights, built once at
@@ -55,7 +55,7 @@ using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&
                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                          at::OptionalIntArrayRef);
 using AllReduceFn = void(const at::Tensor&, int64_t);
-using AllGatherFn = void(const at::Tensor&, const at::Tensor&, int64_t);
+using AllGatherColumnsFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 
 // How a linear layer computes (model/linear.py's PackedLinear, model/gguf_linear.py's
 // QuantizedLinear); the Python side passes these codes.
@@ -119,9 +119,9 @@ class DecodeLayers : public torch::CustomClassHolder {
     TORCH_CHECK(o_slice_.empty() || o_slice_.size() == 2, "DecodeLayers: o_slice is "
                 "(o_offset, o_columns)");
     if (!qkv_gather_.empty())
-      all_gather_ = c10::Dispatcher::singleton()
-                        .findSchemaOrThrow("pipellm_shm::all_gather", "")
-                        .typed<AllGatherFn>();
+      all_gather_columns_ = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("pipellm_shm::all_gather_columns", "")
+                                .typed<AllGatherColumnsFn>();
     const size_t count = weights.size();
     TORCH_CHECK(count % kLinearsPerLayer == 0 && biases.size() == count &&
                     methods.size() == count && kinds.size() == count &&
@@ -200,15 +200,16 @@ class DecodeLayers : public torch::CustomClassHolder {
     return at::IntArrayRef(group_starts_);
   }
 
-  // The computed q/k/v rows [T, w] -> this rank's heads' rows: all-gathered (each rank's part
-  // padded to qkv_width), then picked by gather_index. Unchanged where no head straddles.
+  // The computed q/k/v rows [T, w] -> this rank's heads' rows: the ranks' parts (each padded
+  // to qkv_width) side by side, columns picked by gather_index. Unchanged where no head
+  // straddles.
   at::Tensor gather_heads(at::Tensor qkv) {
     if (qkv_gather_.empty()) return qkv;
-    const int64_t tokens = qkv.size(0), size = qkv_gather_[0], width = qkv_gather_[1];
+    const int64_t width = qkv_gather_[1];
     if (qkv.size(1) < width) qkv = at::constant_pad_nd(qkv, {0, width - qkv.size(1)});
-    at::Tensor parts = at::empty({size, tokens, width}, qkv.options());
-    all_gather_->call(qkv.contiguous(), parts, all_reduce_handle_);
-    return parts.permute({1, 0, 2}).reshape({tokens, size * width}).index_select(1, gather_index_);
+    at::Tensor heads = at::empty({qkv.size(0), gather_index_.numel()}, qkv.options());
+    all_gather_columns_->call(qkv.contiguous(), gather_index_, heads, all_reduce_handle_);
+    return heads;
   }
 
   // The row-parallel partial sums added over the ranks, in place; nothing without TP.
@@ -251,7 +252,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   // int8_linear.cpp's op, looked up only where a layer uses it.
   std::optional<c10::TypedOperatorHandle<QuantizedLinearFn>> quantized_linear_int8_;
   std::optional<c10::TypedOperatorHandle<AllReduceFn>> all_reduce_;
-  std::optional<c10::TypedOperatorHandle<AllGatherFn>> all_gather_;
+  std::optional<c10::TypedOperatorHandle<AllGatherColumnsFn>> all_gather_columns_;
 };
 
 }  // namespace

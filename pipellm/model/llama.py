@@ -104,8 +104,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.gather_index is not None:
             pad = self.qkv_width - qkv.shape[1]
-            parts = self.comm.all_gather(nn.functional.pad(qkv, (0, pad)) if pad else qkv)
-            qkv = parts.index_select(1, self.gather_index)
+            padded = nn.functional.pad(qkv, (0, pad)) if pad else qkv
+            qkv = self.comm.all_gather_columns(padded, self.gather_index)
         qkv = qkv.view(t, -1, self.head_dim)
         q, k, v = rotate_and_cache(
             qkv, cos_sin, *kv_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads

@@ -24,6 +24,9 @@ class TensorParallelComm(Protocol):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' x concatenated along the last dimension, in rank order."""
 
+    def all_gather_columns(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """all_gather(x)[:, index] for x [T, W] (the same W on every rank)."""
+
     def close(self) -> None: ...
 
 
@@ -44,6 +47,9 @@ class GlooComm:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def all_gather_columns(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.all_gather(x).index_select(1, index)
 
     def close(self) -> None:
         pass

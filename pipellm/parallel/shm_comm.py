@@ -109,6 +109,14 @@ class ShmComm:
         # [size, ..., w] -> [..., size * w]: each row's parts side by side, in rank order.
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
+    def all_gather_columns(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """all_gather(x)[:, index], without the gathered copy (x: [T, W], the same W on
+        every rank)."""
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], index.numel())
+        self._lib.all_gather_columns(self.handle, x, index, out)
+        return out
+
     def broadcast_send(self, data: bytes) -> None:
         """Sends `data` to every other rank (each calls broadcast_recv); does not wait."""
         self._lib.broadcast_send(self.handle, data)
