@@ -51,6 +51,32 @@ def test_same_tokens_on_every_grid(one_kv_head, reaped, tp, pp):
     assert _tokens(directory, tp, pp) == expected
 
 
+def test_greedy_tokens_without_the_logits_and_sampling_with_them(one_kv_head, reaped):
+    """Plain greedy rows take each rank's slice maximum (LlamaStage.greedy_tokens); a batch
+    with logprobs or a logit bias gathers the logits and samples: the same tokens and
+    logprobs as one process, either way."""
+    directory, expected = one_kv_head
+    biased = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={7: 5.0})
+    with_logprobs = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    mixed = [PARAMS, biased, with_logprobs, PARAMS]
+
+    def run(tp: int) -> list:
+        with LLM(str(directory), tensor_parallel_size=tp, num_threads=1, max_num_seqs=4) as llm:
+            plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+            out = [o.outputs[0] for o in llm.generate(PROMPTS, mixed, use_tqdm=False)]
+            return plain, [(o.token_ids, o.logprobs) for o in out]
+
+    (plain_1, mixed_1), (plain_2, mixed_2) = run(1), run(2)
+    assert plain_2 == plain_1 == expected
+    assert [tokens for tokens, _ in mixed_2] == [tokens for tokens, _ in mixed_1]
+    logprobs_1, logprobs_2 = mixed_1[2][1], mixed_2[2][1]
+    assert logprobs_2 is not None and len(logprobs_2) == len(logprobs_1) == 8
+    for (sampled_1, top_1), (sampled_2, top_2) in zip(logprobs_1, logprobs_2, strict=True):
+        assert abs(sampled_1 - sampled_2) < 1e-4
+        assert [t for t, _ in top_1] == [t for t, _ in top_2]
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(top_1, top_2, strict=True))
+
+
 def test_one_stage_runs_rank_0_in_the_engine_and_a_killed_rank_is_a_clear_error(
     one_kv_head, reaped
 ):

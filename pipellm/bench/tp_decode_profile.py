@@ -9,7 +9,8 @@ count (medians). Timers (time.monotonic, one clock for every process of the host
   ranks:  the schedule's arrival (the bytes read from the pipe, or from the shared-memory
           broadcast of the tensor-parallel driver) and unpickling, preparing
           the batch, the forward pass (its all-reduces apart: their time includes the wait for
-          the slower rank), the logits (with their all-gather), sampling, sending the result.
+          the slower rank), the logits (with their all-gather; under TP, greedy rows
+          gather only each rank's best token), sampling, sending the result.
 "Hand-over" is from the end of the engine's send to the rank holding the bytes; "return"
 is from the rank's send to the engine's main thread holding the result. A rank in the
 engine's own process (no pipe) shows no hand-over.
@@ -106,6 +107,7 @@ def _instrument_worker() -> None:
     ModelRunner.prepare = _timed("prepare", ModelRunner.prepare)
     LlamaStage.forward = _timed("forward", LlamaStage.forward)
     LlamaStage.compute_logits = _timed("logits", LlamaStage.compute_logits)
+    LlamaStage.greedy_tokens = _timed("logits", LlamaStage.greedy_tokens)  # TP's greedy rows
     worker_module.sample = _timed("sample", worker_module.sample)
     ShmComm.all_reduce_ = _timed("all_reduce", ShmComm.all_reduce_)
     ShmComm.all_gather = _timed("all_gather", ShmComm.all_gather)

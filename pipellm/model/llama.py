@@ -17,7 +17,7 @@ from torch import nn
 from pipellm.model.attention import paged_attention, rotate_and_cache
 from pipellm.model.decode_fast_path import DecodeFastPath, why_not_fused
 from pipellm.model.forward_batch import ForwardBatch
-from pipellm.model.fused_ops import add_rms_norm_, rms_norm, silu_and_mul
+from pipellm.model.fused_ops import add_rms_norm_, argmax_rows, rms_norm, silu_and_mul
 from pipellm.model.gguf_linear import QuantizedWeight, stack_rows
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
@@ -246,6 +246,23 @@ class LlamaStage(nn.Module):
         gathered, so every rank of the group holds all of them."""
         logits = self.lm_head(self.norm(hidden)).float()
         return logits if self.comm is None else self.comm.all_gather(logits)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
+        """argmax_rows(compute_logits(hidden)), the greedy tokens, without gathering the
+        logits (with tensor parallelism): each rank takes its vocabulary slice's first maximum,
+        the ranks exchange (value, token) pairs, and the first rank's wins a tie, as the first
+        maximum of the whole row would. At one sequence this saves gathering 49152 floats and
+        one rank's argmax over all of them (~0.1 ms of a ~10 ms step on 2 cores)."""
+        logits = self.lm_head(self.norm(hidden)).float()
+        best = argmax_rows(logits)
+        if self.comm is None:
+            return best.tolist()
+        rows = torch.arange(len(best))
+        # Token ids as float32 are exact below 2**24, far above any vocabulary.
+        pairs = torch.stack([logits[rows, best], (best + self.tp.vocab[0]).float()], dim=-1)
+        ranks = self.comm.all_gather(pairs).view(len(best), self.tp.size, 2)
+        winner = argmax_rows(ranks[..., 0].contiguous())
+        return ranks[rows, winner, 1].long().tolist()
 
     def prepare_for_inference(
         self,

@@ -121,12 +121,15 @@ class StageWorker:
         )
         sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
         tokens, logprobs, failed = [], None, {}
-        if sampled:
+        items = [scheduler_output.requests[i] for i in sampled]
+        params = [self.runner.requests[item.request_id].sampling_params for item in items]
+        if sampled and self.model.comm is not None and all(map(_plain_greedy, params)):
+            # Every rank decides alike (from the requests' parameters): all take this path.
+            tokens = self.model.greedy_tokens(hidden[batch.logits_indices])
+        elif sampled:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # all TP ranks
             if not self.samples:
                 return None
-            items = [scheduler_output.requests[i] for i in sampled]
-            params = [self.runner.requests[item.request_id].sampling_params for item in items]
             positions = [item.num_output_tokens for item in items]
             rules = [self._row_rules(item, p) for item, p in zip(items, params, strict=True)]
             banned = self.grammar_masks.apply(logits, items, params, self._token_ids)
@@ -155,3 +158,13 @@ class StageWorker:
         token_ids = self.runner.requests[item.request_id].token_ids
         counts = self.token_counts.requests.get(item.request_id)
         return RowRules(params, item.num_output_tokens, token_ids, counts)
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """The token is the logits' argmax, and nothing else is read from them."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.has_logits_rules
+        and params.structured_outputs is None
+    )
