@@ -251,8 +251,9 @@ class LlamaStage(nn.Module):
         """argmax_rows(compute_logits(hidden)), the greedy tokens, without gathering the
         logits (with tensor parallelism): each rank takes its vocabulary slice's first maximum,
         the ranks exchange (value, token) pairs, and the first rank's wins a tie, as the first
-        maximum of the whole row would. At one sequence this saves gathering 49152 floats and
-        one rank's argmax over all of them (~0.1 ms of a ~10 ms step on 2 cores)."""
+        maximum of the whole row would. Each rank sends 8 bytes a row instead of its slice of
+        the vocabulary (SmolLM2: 96 KiB a row); at one sequence the step time did not change
+        measurably (docs/benchmarks.md, "Tensor parallelism, fifth pass")."""
         logits = self.lm_head(self.norm(hidden)).float()
         best = argmax_rows(logits)
         if self.comm is None:
