@@ -71,6 +71,15 @@ def _start_pair(target) -> tuple[list[mp.Process], mp.Queue]:
     return processes, results
 
 
+def _first_reports(results: mp.Queue) -> dict[int, tuple[str, object]]:
+    """Each rank's first (kind, payload), by rank."""
+    reports = {}
+    for _ in range(2):
+        kind, rank, payload = results.get(timeout=TIMEOUT_S)
+        reports[rank] = (kind, payload)
+    return reports
+
+
 def _kill_and_expect_named(processes: list[mp.Process], results: mp.Queue, dead: int) -> None:
     """SIGKILLs rank `dead`; the other rank, waiting on it, must raise and name it."""
     os.kill(processes[dead].pid, signal.SIGKILL)
@@ -125,8 +134,7 @@ def test_exact_sums_and_gathers_then_a_dead_rank_raises_and_leaves_no_segment(re
     processes, results = _start_pair(_member)
     try:
         got = {}
-        for _ in range(2):
-            kind, rank, payload = results.get(timeout=TIMEOUT_S)
+        for rank, (kind, payload) in _first_reports(results).items():
             assert kind == "done", payload
             assert payload[0] == "ShmComm"
             got[rank] = {name: torch.from_numpy(x) for name, x in payload[1].items()}
@@ -175,11 +183,8 @@ def _receiver(rank: int, port: int, results: mp.Queue) -> None:
 def test_a_rank_waiting_for_a_broadcast_from_a_dead_root_raises(reaped):
     processes, results = _start_pair(_receiver)
     try:
-        got = {}
-        for _ in range(2):
-            kind, rank, payload = results.get(timeout=TIMEOUT_S)
-            got[rank] = (kind, payload)
-        assert got == {0: ("sent", None), 1: ("received", b"hello")}
+        reports = _first_reports(results)
+        assert reports == {0: ("sent", None), 1: ("received", b"hello")}
         time.sleep(0.2)  # rank 1 is past its spin, asleep between polls
         _kill_and_expect_named(processes, results, 0)
     finally:

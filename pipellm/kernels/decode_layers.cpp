@@ -15,8 +15,8 @@
 // shared-memory all-reduce (pipellm/parallel/shm_comm.cpp, registered as the op
 // pipellm_shm::all_reduce_), and the attention kernel gets the rank's uneven query groups.
 // Where heads straddle the ranks (model/tp_plan.py), q/k/v are computed by rows and
-// all-gathered (pipellm_shm::all_gather_columns) before attention, and o_proj takes a slice of the
-// heads' outputs, as Attention.forward does.
+// all-gathered (pipellm_shm::all_gather_columns) before attention, and o_proj takes a slice
+// of the heads' outputs, as Attention.forward does.
 //
 // A DecodeLayers object (a TorchScript custom class) holds a stage's weights, built once at
 // load; the KV caches, allocated after the weights, are bound later with set_caches.
@@ -78,20 +78,20 @@ class DecodeLayers : public torch::CustomClassHolder {
   // none), methods, kinds and out_features. group_starts: each KV head's first query head
   // and the end (model/tp_plan.py's kv_group_starts), empty where the groups are even.
   // all_reduce_handle: the tensor-parallel group's shared-memory communicator (ShmComm's
-  // handle), 0 without tensor parallelism. qkv_gather = (tp_size, qkv_width) and
-  // gather_index (Attention.gather_index) where q/k/v rows are all-gathered, else empty;
-  // o_slice = (o_offset, o_columns) where o_proj takes part of the heads' outputs, else empty.
+  // handle), 0 without tensor parallelism. gather_index (Attention.gather_index) where q/k/v
+  // rows are all-gathered, each rank's part padded to qkv_width, else empty (and qkv_width
+  // unused); o_slice = (o_offset, o_columns) where o_proj takes part of the heads' outputs,
+  // else empty.
   DecodeLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
                std::vector<at::Tensor> biases, std::vector<int64_t> methods,
                std::vector<int64_t> kinds, std::vector<int64_t> out_features, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
                std::vector<int64_t> group_starts, int64_t all_reduce_handle,
-               std::vector<int64_t> qkv_gather, at::Tensor gather_index,
-               std::vector<int64_t> o_slice)
+               int64_t qkv_width, at::Tensor gather_index, std::vector<int64_t> o_slice)
       : norms_(std::move(norms)),
         group_starts_(std::move(group_starts)),
         all_reduce_handle_(all_reduce_handle),
-        qkv_gather_(std::move(qkv_gather)),
+        qkv_width_(qkv_width),
         gather_index_(std::move(gather_index)),
         o_slice_(std::move(o_slice)),
         num_heads_(num_heads),
@@ -114,11 +114,11 @@ class DecodeLayers : public torch::CustomClassHolder {
       all_reduce_ = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("pipellm_shm::all_reduce_", "")
                         .typed<AllReduceFn>();
-    TORCH_CHECK(qkv_gather_.empty() || (qkv_gather_.size() == 2 && all_reduce_handle_ != 0),
-                "DecodeLayers: qkv_gather is (tp_size, qkv_width), with a communicator");
+    TORCH_CHECK(gather_index_.numel() == 0 || all_reduce_handle_ != 0,
+                "DecodeLayers: gathering q/k/v rows needs a communicator");
     TORCH_CHECK(o_slice_.empty() || o_slice_.size() == 2, "DecodeLayers: o_slice is "
                 "(o_offset, o_columns)");
-    if (!qkv_gather_.empty())
+    if (gather_index_.numel() > 0)
       all_gather_columns_ = c10::Dispatcher::singleton()
                                 .findSchemaOrThrow("pipellm_shm::all_gather_columns", "")
                                 .typed<AllGatherColumnsFn>();
@@ -204,9 +204,8 @@ class DecodeLayers : public torch::CustomClassHolder {
   // to qkv_width) side by side, columns picked by gather_index. Unchanged where no head
   // straddles.
   at::Tensor gather_heads(at::Tensor qkv) {
-    if (qkv_gather_.empty()) return qkv;
-    const int64_t width = qkv_gather_[1];
-    if (qkv.size(1) < width) qkv = at::constant_pad_nd(qkv, {0, width - qkv.size(1)});
+    if (!all_gather_columns_) return qkv;
+    if (qkv.size(1) < qkv_width_) qkv = at::constant_pad_nd(qkv, {0, qkv_width_ - qkv.size(1)});
     at::Tensor heads = at::empty({qkv.size(0), gather_index_.numel()}, qkv.options());
     all_gather_columns_->call(qkv.contiguous(), gather_index_, heads, all_reduce_handle_);
     return heads;
@@ -236,7 +235,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   std::vector<at::Tensor> caches_;
   std::vector<int64_t> group_starts_;
   int64_t all_reduce_handle_;
-  std::vector<int64_t> qkv_gather_;
+  int64_t qkv_width_;
   at::Tensor gather_index_;
   std::vector<int64_t> o_slice_;
   int64_t num_layers_ = 0;
@@ -262,7 +261,7 @@ PIPELLM_LIBRARY_FRAGMENT(m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
                        int64_t, int64_t, double, double, std::vector<int64_t>, int64_t,
-                       std::vector<int64_t>, at::Tensor, std::vector<int64_t>>())
+                       int64_t, at::Tensor, std::vector<int64_t>>())
       .def("set_caches", &DecodeLayers::set_caches)
       .def("forward", &DecodeLayers::forward);
 }

@@ -98,7 +98,6 @@ class DecodeFastPath:
         # Every layer of a rank holds the same heads (model/tp_plan.py).
         group_starts = list(first.group_starts or ()) if first else []
         gathers = first is not None and first.gather_index is not None
-        qkv_gather = [stage.comm.size, first.qkv_width] if gathers else []
         gather_index = first.gather_index if gathers else torch.empty(0, dtype=torch.long)
         o_columns = first.o_proj.in_features if first else 0
         sliced = first is not None and o_columns != first.num_heads * stage.config.head_dim
@@ -118,7 +117,7 @@ class DecodeFastPath:
             stage.config.rms_norm_eps,
             group_starts,
             stage.comm.handle if stage.comm is not None else 0,
-            qkv_gather,
+            first.qkv_width if gathers else 0,
             gather_index,
             o_slice,
         )

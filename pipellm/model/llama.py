@@ -244,8 +244,12 @@ class LlamaStage(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32: with tensor parallelism, each rank's vocabulary slice
         gathered, so every rank of the group holds all of them."""
-        logits = self.lm_head(self.norm(hidden)).float()
+        logits = self._vocab_slice_logits(hidden)
         return logits if self.comm is None else self.comm.all_gather(logits)
+
+    def _vocab_slice_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, this rank's vocabulary slice] float32 (all of it without TP)."""
+        return self.lm_head(self.norm(hidden)).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
         """argmax_rows(compute_logits(hidden)), the greedy tokens, without gathering the
@@ -254,7 +258,7 @@ class LlamaStage(nn.Module):
         maximum of the whole row would. Each rank sends 8 bytes a row instead of its slice of
         the vocabulary (SmolLM2: 96 KiB a row); at one sequence the step time did not change
         measurably (docs/benchmarks.md, "Tensor parallelism, fifth pass")."""
-        logits = self.lm_head(self.norm(hidden)).float()
+        logits = self._vocab_slice_logits(hidden)
         best = argmax_rows(logits)
         if self.comm is None:
             return best.tolist()

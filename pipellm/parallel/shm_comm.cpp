@@ -160,6 +160,13 @@ struct Comm {
     header()->flags[rank].seq.store(s, std::memory_order_release);
     for (int r = 0; r < size; ++r) wait_for(r, s, false);
   }
+  // Collective s: copies this rank's `bytes` into its slot once every peer is done with it,
+  // then waits until all ranks' parts are in.
+  void share(uint64_t s, const void* part, size_t bytes) {
+    wait_until_slots_free(s);
+    std::memcpy(slot(s, rank), part, bytes);
+    arrive_and_wait(s);
+  }
 };
 
 Comm* as_comm(int64_t handle) { return reinterpret_cast<Comm*>(handle); }
@@ -242,9 +249,7 @@ void all_reduce_(int64_t handle, torch::Tensor x) {
     const int64_t n = std::min(per_chunk, total - done);
     const uint64_t s = ++c.seq;
     char* mine = data + done * itemsize;
-    c.wait_until_slots_free(s);
-    std::memcpy(c.slot(s, c.rank), mine, n * itemsize);
-    c.arrive_and_wait(s);
+    c.share(s, mine, n * itemsize);
     if (x.scalar_type() == torch::kFloat) {
       sum_float(reinterpret_cast<float*>(mine), c, s, n);
       continue;
@@ -270,9 +275,7 @@ void all_gather(int64_t handle, torch::Tensor x, torch::Tensor out) {
   for (int64_t done = 0; done < total; done += c.capacity) {
     const int64_t n = std::min(c.capacity, total - done);
     const uint64_t s = ++c.seq;
-    c.wait_until_slots_free(s);
-    std::memcpy(c.slot(s, c.rank), data + done, n);
-    c.arrive_and_wait(s);
+    c.share(s, data + done, n);
     for (int r = 0; r < c.size; ++r) std::memcpy(dest + r * total + done, c.slot(s, r), n);
   }
 }
@@ -280,8 +283,8 @@ void all_gather(int64_t handle, torch::Tensor x, torch::Tensor out) {
 // out[t, j] = element index[j] of row t of the ranks' x side by side (rank r's x [T, W] at
 // columns r * W ...): an all-gather that writes only the columns this rank wants, straight
 // from the slots, in one call. Tensor parallelism's q/k/v rows of heads that straddle ranks
-// (model/tp_plan.py): at one token this saves the gathered copy, its permute and the
-// index_select, ~5 us a layer. Rows go through in chunks that fit a slot.
+// (model/tp_plan.py): no gathered copy, permute or index_select on the way (their time was
+// not measured apart). Rows go through in chunks that fit a slot.
 template <typename T>
 void pick_columns(const Comm& c, uint64_t s, int64_t width, const int64_t* index, int64_t picked,
                   int64_t rows, T* out) {
@@ -319,9 +322,7 @@ void all_gather_columns(int64_t handle, torch::Tensor x, torch::Tensor index, to
   for (int64_t done = 0; done < rows; done += rows_per_chunk) {
     const int64_t n = std::min(rows_per_chunk, rows - done);
     const uint64_t s = ++c.seq;
-    c.wait_until_slots_free(s);
-    std::memcpy(c.slot(s, c.rank), data + done * row_bytes, n * row_bytes);
-    c.arrive_and_wait(s);
+    c.share(s, data + done * row_bytes, n * row_bytes);
     if (x.element_size() == 4) {
       pick_columns(c, s, width, idx, picked, n,
                    reinterpret_cast<float*>(dest) + done * picked);
