@@ -60,7 +60,7 @@ def test_greedy_tokens_without_the_logits_and_sampling_with_them(one_kv_head, re
     with_logprobs = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     mixed = [PARAMS, biased, with_logprobs, PARAMS]
 
-    def run(tp: int) -> list:
+    def run(tp: int) -> tuple[list, list]:
         with LLM(str(directory), tensor_parallel_size=tp, num_threads=1, max_num_seqs=4) as llm:
             plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
             out = [o.outputs[0] for o in llm.generate(PROMPTS, mixed, use_tqdm=False)]
