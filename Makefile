@@ -19,18 +19,20 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed
 
 demo: install
+	# The demo draws PNGs: the plot extra (matplotlib).
+	$(PIP) install --quiet -c constraints.txt -e '.[plot]'
 	$(VENV)/bin/pipellm demo
 
 test: install
 	$(PY) -m pytest -q -x tests
 
 lint: install
-	$(VENV)/bin/ruff check pipellm tests
-	$(VENV)/bin/ruff format --check pipellm tests
+	$(VENV)/bin/ruff check pipellm tests benchmarks
+	$(VENV)/bin/ruff format --check pipellm tests benchmarks
 
 format: install
-	$(VENV)/bin/ruff format pipellm tests
-	$(VENV)/bin/ruff check --fix pipellm tests
+	$(VENV)/bin/ruff format pipellm tests benchmarks
+	$(VENV)/bin/ruff check --fix pipellm tests benchmarks
 
 clean:
 	rm -rf $(VENV)

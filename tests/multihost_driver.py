@@ -21,11 +21,11 @@ import openai
 import psutil
 
 from pipellm import LLM, SamplingParams
-from pipellm.bench.server_process import ServerProcess
 from pipellm.engine.core_process import HEALTH_CHECK_INTERVAL_S
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.ray_cluster import RayClusterError
 from pipellm.executor.ray_executor import RayExecutor
+from pipellm.testing.server_process import ServerProcess
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

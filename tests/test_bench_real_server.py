@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from pipellm.bench.server_process import ServerProcess
+from pipellm.testing.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
 
 

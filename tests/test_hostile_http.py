@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from pipellm.bench.server_process import ServerProcess
+from pipellm.testing.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(180)

@@ -4,14 +4,16 @@ their users and no two packages import each other. Every import counts, lazy one
 from __future__ import annotations
 
 import ast
-import functools
 from pathlib import Path
 
 import pipellm
 
 ROOT = Path(pipellm.__file__).parent
+BENCHMARKS = ROOT.parent / "benchmarks"  # outside the package; absent from an installed wheel
 
-# Bottom first. A unit is a subpackage of pipellm, a top-level module, or pipellm's __init__.
+# Bottom first. A unit is a subpackage of pipellm, a top-level module, pipellm's __init__, or a
+# module named here on its own ("sim.profiler": it drives real stages and the engine loop to time
+# them, while the rest of sim/ sits beneath config so config can check a profile).
 LAYERS = [
     "structured_outputs",  # a structured-output constraint, as a user states it
     "sampling_params",  # what a user asks for
@@ -25,45 +27,26 @@ LAYERS = [
     "config",  # every engine setting, checked against the model
     "worker",  # one pipeline stage
     "executor",  # how the stages run
-    "engine",  # scheduler, KV blocks, the engine loop
+    "engine",  # scheduler, KV blocks, the engine loop, its pipeline trace and the trace tools
+    "sim.profiler",  # `pipellm profile`: times real stage steps and fits the cost model
     "llm",  # the offline API
     "pipellm",  # the package's public names
-    "bench",  # benchmarks
+    "bench",  # `pipellm bench serve`: the HTTP load generator and its report
+    "testing",  # harnesses that start a real server (tests, the demo)
     "entrypoints",  # CLI and servers
-    "bench scripts",  # runnable benchmarks (python -m pipellm.bench.NAME): leaves, they drive all
+    "benchmarks",  # top-level benchmarks/ (python benchmarks/NAME.py): leaves, they drive all
 ]
 
 
-def _is_script(path: Path) -> bool:
-    return '__name__ == "__main__"' in path.read_text()
-
-
-def unit_of_module(module: str) -> str | None:
-    """Like unit_of, but a benchmark script of pipellm/bench that no other package imports is
-    its own unit at the top: it may drive the CLI, which itself uses the bench library."""
-    unit = unit_of(module)
-    if unit == "bench" and module in bench_scripts():
-        return "bench scripts"
-    return unit
-
-
-@functools.cache
-def bench_scripts() -> frozenset[str]:
-    runnable = {module_name(p) for p in (ROOT / "bench").glob("*.py") if _is_script(p)}
-    used_outside = {
-        name
-        for path in ROOT.rglob("*.py")
-        if unit_of(module_name(path)) != "bench"
-        for name in imported_modules(path)
-    }
-    return frozenset(runnable - used_outside)
-
-
 def unit_of(module: str) -> str | None:
-    """The unit a dotted module name belongs to; None outside pipellm."""
+    """The unit a dotted module name belongs to; None outside pipellm and benchmarks/."""
     parts = module.split(".")
+    if parts[0] == "benchmarks":
+        return "benchmarks"
     if parts[0] != "pipellm":
         return None
+    if ".".join(parts[1:3]) in LAYERS:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "pipellm"
 
 
@@ -99,10 +82,10 @@ def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
 def unit_graph() -> dict[str, dict[str, list[str]]]:
     """unit -> {imported unit: [modules of the importing unit that import it]}."""
     graph: dict[str, dict[str, list[str]]] = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        source = unit_of_module(module_name(path))
+    for path in [*sorted(ROOT.rglob("*.py")), *sorted(BENCHMARKS.glob("*.py"))]:
+        source = unit_of(module_name(path))
         for name in imported_modules(path):
-            target = unit_of_module(name)
+            target = unit_of(name)
             if target is not None and target != source:
                 graph.setdefault(source, {}).setdefault(target, []).append(module_name(path))
     return graph
@@ -157,9 +140,10 @@ def test_the_check_sees_upward_and_lazy_imports(tmp_path: Path) -> None:
     assert {unit_of(name) for name in found} == {"engine", "executor"}
 
 
-def test_bench_scripts_are_told_from_the_bench_library() -> None:
-    """`pipellm bench serve`'s modules sit beneath the CLI; the scripts driving it sit above."""
-    assert "pipellm.bench.sim_fidelity" in bench_scripts()
-    assert "pipellm.bench.pp_scaling" in bench_scripts()
-    assert "pipellm.bench.serve" not in bench_scripts()
-    assert "pipellm.bench.datasets" not in bench_scripts()
+def test_benchmarks_sit_outside_the_package() -> None:
+    """A benchmark is a script beside the package, never a module of it; each one's imports
+    count in the graph above as the top layer."""
+    assert not (ROOT / "benchmarks").exists()
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    assert scripts, f"no benchmark scripts in {BENCHMARKS}"
+    assert all(unit_of(module_name(p)) == "benchmarks" for p in scripts)

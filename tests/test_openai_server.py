@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from pipellm import LLM, SamplingParams
-from pipellm.bench.server_process import ServerProcess
 from pipellm.loader.source import resolve_model
+from pipellm.testing.server_process import ServerProcess
 from pipellm.text.tokenizer import load_tokenizer
 from tests.checkpoints import make_tiny_checkpoint
 

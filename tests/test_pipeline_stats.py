@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from pipellm.bench.bubbles import stage_gaps
-from pipellm.bench.timeline import load_slices, render_timeline
 from pipellm.engine.pipeline_stats import MicroBatchRecord, PipelineStats
+from pipellm.engine.trace_bubbles import stage_gaps
+from pipellm.engine.trace_timeline import load_slices, render_timeline
 
 
 def stats_with(records: list[MicroBatchRecord]) -> PipelineStats:

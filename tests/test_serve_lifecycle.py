@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from pipellm import LLM, SamplingParams
-from pipellm.bench.server_process import ServerProcess
 from pipellm.entrypoints import cli
+from pipellm.testing.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
 from tests.conftest import live_children
 

@@ -12,7 +12,7 @@ from pipellm.sim.profile import ProfileError, load_profile
 from pipellm.sim.shapes import BatchShape, model_shape
 from tests.sim_models import make_word_model, write_profile
 
-PROFILES = Path(__file__).parent.parent / "pipellm" / "bench" / "profiles"
+PROFILES = Path(__file__).parent.parent / "pipellm" / "sim" / "profiles"
 DEEPSEEK = json.loads((PROFILES / "deepseek_r1_0528_config.json").read_text())
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from pipellm.bench.serve import arrival_offsets
-from pipellm.bench.server_process import ServerProcess
 from pipellm.entrypoints.cli import build_parser
+from pipellm.testing.server_process import ServerProcess
 from tests.sim_models import make_word_model, write_profile
 
 STEP_S = 0.1  # every stage, every micro-batch

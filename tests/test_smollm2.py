@@ -85,7 +85,7 @@ def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
 def test_int8_activations_keep_nearly_every_greedy_token(single_stage):
     """quantization="gguf_int8" (opt-in) rounds activations to int8: not the same bits, but
     read with the exact path's own continuations as context (teacher-forced), its top-1 token
-    is the exact one nearly everywhere (pipellm/bench/int8_agreement.py measures it at scale)."""
+    is the exact one nearly everywhere (benchmarks/int8_agreement.py measures it at scale)."""
     if int8_activations_unavailable() is not None:
         pytest.skip(f"int8 activations unavailable: {int8_activations_unavailable()}")
     runs = single_stage.generate(PROMPTS, GREEDY)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from pipellm import LLM, SamplingParams
-from pipellm.bench.server_process import ServerProcess
+from pipellm.testing.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
 from tests.test_structured_outputs import CHOICES, CLOSED_SCHEMA, LARK, REGEX
 

@@ -1,4 +1,4 @@
-"""`pipellm` command line: generate, serve, simulate, profile, bench serve, demo."""
+"""`pipellm` command line: generate, serve, simulate, profile, bench serve, trace, demo."""
 
 from __future__ import annotations
 
@@ -84,10 +84,30 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_serve)
 
 
+def require_plot_extra(what: str) -> None:
+    """PNGs need matplotlib, an optional dependency: say so before any work starts."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(
+            f"{what} draws PNGs with matplotlib, which is not installed: "
+            "pip install 'pipellm[plot]'"
+        )
+
+
 def _demo(args: argparse.Namespace) -> None:
     from pipellm.entrypoints.demo import run_demo
 
+    require_plot_extra("pipellm demo")
     run_demo()
+
+
+def _bench_serve(args: argparse.Namespace) -> dict:
+    from pipellm.bench.serve import main as bench_main
+
+    if args.plot:
+        require_plot_extra("--plot")
+    return bench_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "micro-batch shapes, fits the linear cost model of docs/simulation.md, prints the fit "
         "error and writes a profile for --sim-profile.",
     )
-    from pipellm.entrypoints.sim_measure import add_cli_args as add_profile_args
+    from pipellm.sim.profiler import add_cli_args as add_profile_args
 
     add_profile_args(profile)
 
@@ -135,15 +155,50 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
-    try:
-        from pipellm.bench.serve import add_cli_args
-        from pipellm.bench.serve import main as bench_main
+    from pipellm.bench.serve import add_cli_args
 
-        add_cli_args(bench_serve)
-        bench_serve.set_defaults(func=bench_main)
-    except ImportError:  # pragma: no cover - bench module not built yet
-        pass
+    add_cli_args(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
+
+    _add_trace_parser(sub)
     return parser
+
+
+def _add_trace_parser(sub: argparse._SubParsersAction) -> None:
+    trace = sub.add_parser(
+        "trace",
+        help="read a pipeline trace written with --trace-file",
+        description="Tools for the Chrome/Perfetto trace that `pipellm serve --trace-file` "
+        "writes: one lane per stage, one slice per micro-batch.",
+    )
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    timeline = trace_sub.add_parser(
+        "timeline", help="draw the stages' micro-batches as a PNG (needs pipellm[plot])"
+    )
+    timeline.add_argument("trace", help="the trace JSON")
+    timeline.add_argument("png", help="where to write the PNG")
+    timeline.add_argument("--title", default="", help="default: the trace's file name")
+    timeline.add_argument("--seconds", type=float, help="show only the first S seconds")
+    timeline.set_defaults(func=_trace_timeline)
+    bubbles = trace_sub.add_parser(
+        "bubbles", help="why each stage sat idle: overhead or waiting, per stage"
+    )
+    bubbles.add_argument("trace", help="the trace JSON")
+    bubbles.set_defaults(func=_trace_bubbles)
+
+
+def _trace_timeline(args: argparse.Namespace) -> None:
+    from pipellm.engine.trace_timeline import render_timeline
+
+    require_plot_extra("pipellm trace timeline")
+    render_timeline(args.trace, args.png, args.title, args.seconds)
+    print(f"timeline written to {args.png}")
+
+
+def _trace_bubbles(args: argparse.Namespace) -> None:
+    from pipellm.engine.trace_bubbles import print_stage_gaps
+
+    print_stage_gaps(args.trace)
 
 
 def main(argv: list[str] | None = None) -> None:

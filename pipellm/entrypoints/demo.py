@@ -11,8 +11,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from pipellm.bench.server_process import ServerProcess
-from pipellm.bench.timeline import render_timeline
+from pipellm.engine.trace_timeline import render_timeline
+from pipellm.testing.server_process import ServerProcess
 
 QUESTION = "What is the capital of France?"
 NUM_STAGES = 2

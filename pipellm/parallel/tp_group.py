@@ -2,7 +2,7 @@
 
 Ranks on one host (always so with the mp backend) use the shared-memory communicator
 (parallel/shm_comm.py); ranks spread over hosts, or where the kernel cannot be built, gloo.
-PIPELLM_TP_COMM=gloo or shm picks one, e.g. to compare them (pipellm/bench/tp_allreduce.py).
+PIPELLM_TP_COMM=gloo or shm picks one, e.g. to compare them (benchmarks/tp_allreduce.py).
 """
 
 from __future__ import annotations

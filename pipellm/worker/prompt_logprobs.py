@@ -13,7 +13,7 @@ import torch
 
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.protocol import Logprobs, SchedulerOutput
-from pipellm.worker.model_runner import RequestState
+from pipellm.worker.input_builder import RequestState
 
 ROWS_PER_SLICE = 128  # bounds the [rows, vocab] logits held at once for long prompt chunks
 

@@ -19,7 +19,7 @@ from pipellm.parallel.comm import TensorParallelComm
 from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
-from pipellm.worker.model_runner import ModelRunner
+from pipellm.worker.input_builder import InputBuilder
 from pipellm.worker.prompt_logprobs import prompt_logprobs
 from pipellm.worker.structured_output import GrammarMasks
 
@@ -96,7 +96,7 @@ class StageWorker:
             )
             for _ in range(stage.num_layers)
         ]
-        self.runner = ModelRunner(config.block_size)
+        self.input_builder = InputBuilder(config.block_size)
         self.token_counts = OutputTokenCounts(mc.vocab_size) if self.is_last else None
         self.grammar_masks = GrammarMasks(self._tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -107,22 +107,22 @@ class StageWorker:
     ) -> torch.Tensor | ModelOutput | None:
         """Runs this stage's layers; the last stage samples and returns a ModelOutput (with
         tensor parallelism, its rank 0; the other ranks return None)."""
-        self.runner.update_states(scheduler_output)
+        self.input_builder.update_states(scheduler_output)
         if self.token_counts is not None:
             self.token_counts.update(scheduler_output)
         if self.samples:
             self.grammar_masks.update(scheduler_output)
-        input_ids, batch = self.runner.prepare(scheduler_output)
+        input_ids, batch = self.input_builder.prepare(scheduler_output)
         hidden = self.model(input_ids if self.is_first else hidden_in, batch, self.kv_caches)
         if not self.is_last:
             return hidden
         prompt = prompt_logprobs(
-            scheduler_output, batch, hidden, self.runner.requests, self.model.compute_logits
+            scheduler_output, batch, hidden, self.input_builder.requests, self.model.compute_logits
         )
         sampled = [i for i, item in enumerate(scheduler_output.requests) if item.sample]
         tokens, logprobs, failed = [], None, {}
         items = [scheduler_output.requests[i] for i in sampled]
-        params = [self.runner.requests[item.request_id].sampling_params for item in items]
+        params = [self.input_builder.requests[item.request_id].sampling_params for item in items]
         if sampled and self.model.comm is not None and all(map(_plain_greedy, params)):
             # Every rank decides alike (from the requests' parameters): all take this path.
             tokens = self.model.greedy_tokens(hidden[batch.logits_indices])
@@ -144,7 +144,7 @@ class StageWorker:
         )
 
     def _token_ids(self, request_id: str) -> list[int]:
-        return self.runner.requests[request_id].token_ids
+        return self.input_builder.requests[request_id].token_ids
 
     def _tokenizer(self) -> Tokenizer:
         """The engine's tokenizer (the grammar masks map text to its tokens)."""
@@ -155,7 +155,7 @@ class StageWorker:
     def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
         if not params.has_logits_rules:
             return None
-        token_ids = self.runner.requests[item.request_id].token_ids
+        token_ids = self.input_builder.requests[item.request_id].token_ids
         counts = self.token_counts.requests.get(item.request_id)
         return RowRules(params, item.num_output_tokens, token_ids, counts)
 

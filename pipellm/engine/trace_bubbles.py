@@ -13,12 +13,11 @@ batch queue was full, or the next micro-batch needed that output), so the wait i
   on later stages: until the last stage finished that earlier micro-batch,
   return: its output's way from the last stage to the engine,
   engine: applying the output and scheduling the next micro-batch.
-Usage: python -m pipellm.bench.bubbles TRACE.json
+Usage: pipellm trace bubbles TRACE.json
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import itertools
 import json
@@ -88,11 +87,9 @@ def stage_gaps(trace_path: str | Path) -> list[StageGaps]:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace")
-    args = parser.parse_args()
-    for stage, gaps in enumerate(stage_gaps(args.trace)):
+def print_stage_gaps(trace_path: str | Path) -> None:
+    """`pipellm trace bubbles`: each stage's busy, waiting and overhead share of the span."""
+    for stage, gaps in enumerate(stage_gaps(trace_path)):
         span = gaps.span_s or 1.0
         print(
             f"stage {stage}: busy {gaps.busy_s:7.2f} s ({gaps.busy_s / span:.0%})  "
@@ -106,7 +103,3 @@ def main() -> None:
                 f"return to the engine {gaps.return_s / span:.1%}, "
                 f"engine (apply + schedule) {gaps.engine_s / span:.1%}"
             )
-
-
-if __name__ == "__main__":
-    main()

@@ -14,8 +14,8 @@ stage per host:
   (t) TP=2 x P=1, 1 thread per rank (tensor parallelism, docs/tensor_parallel.md)
 Prints throughput, mean TTFT and stage idle fraction of each (medians) and the ratios.
 
-  .venv/bin/python -m pipellm.bench.pp_scaling [--num-prompts 32 --input-len 1024 --output-len 32]
-  .venv/bin/python -m pipellm.bench.pp_scaling --two-hosts --only cef
+  .venv/bin/python benchmarks/pp_scaling.py [--num-prompts 32 --input-len 1024 --output-len 32]
+  .venv/bin/python benchmarks/pp_scaling.py --two-hosts --only cef
 
 --single-request: the single-request column instead. One prompt of --single-len random tokens
 -> 1 token, alone in the engine (time to first token is then the prompt's whole prefill):
@@ -26,7 +26,7 @@ close to P=1 with the same two cores; without it the stages take turns. Prints t
 each (median over --repeats, alternating) and (e)/(d), (f)/(d); strong-scaling efficiency is
 (d)/(e).
 
-  .venv/bin/python -m pipellm.bench.pp_scaling --single-request [--single-len 2048 --repeats 3]
+  .venv/bin/python benchmarks/pp_scaling.py --single-request [--single-len 2048 --repeats 3]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def run_alternately(
                 flush=True,
             )
             if trace:
-                from pipellm.bench.timeline import render_timeline
+                from pipellm.engine.trace_timeline import render_timeline
 
                 png = trace.replace(".trace.json", "_timeline.png")
                 title = setup.label + timeline_title
@@ -191,7 +191,7 @@ def run_once(
     on_core: Callable[[EngineCore], None] | None = None,
 ) -> dict:
     """One real run; `on_core` sees the engine before the first request (to record its
-    micro-batches: pipellm/bench/sim_steps.py)."""
+    micro-batches: benchmarks/sim_steps.py)."""
     config = EngineConfig(
         model=args.model,
         max_num_seqs=8,
@@ -279,7 +279,7 @@ def main() -> None:
     setups = [s for s in SETUPS if s.label[0] in args.only]
     on_cluster = any(s.engine_args.get("distributed_executor_backend") for s in setups)
     if args.two_hosts and not os.environ.get("RAY_ADDRESS"):
-        from pipellm.bench.netns_cluster import TwoHostCluster
+        from pipellm.testing.netns_cluster import TwoHostCluster
 
         with TwoHostCluster(num_cpus=1) as cluster:  # run all setups on its first host
             argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]

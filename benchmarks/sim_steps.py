@@ -11,7 +11,7 @@ model gets wrong, and how much of each setup's stage time they are:
 - `tail`: a prompt's last few tokens (<= 16), alone or with decodes;
 - `prompts xN`: N prompt chunks in one micro-batch (--no-pp-balance's whole prompts).
 
-  .venv/bin/python -m pipellm.bench.sim_steps --profile P.json --setups c --concurrency 4
+  .venv/bin/python benchmarks/sim_steps.py --profile P.json --setups c --concurrency 4
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipellm.bench.pp_scaling import SETUPS, run_once
+from pp_scaling import SETUPS, run_once
+
 from pipellm.config import EngineConfig
 from pipellm.protocol import SchedulerOutput
 from pipellm.sim.profile import load_profile

@@ -8,7 +8,7 @@ reported: how many free-running greedy continuations of the int8 path equal the 
 and where the first differing token falls. Each row's int8 arithmetic does not depend on the
 other rows of its batch, so the prefill pass computes what a decode step would.
 
-    .venv/bin/python -m pipellm.bench.int8_agreement                       # 16 prompts x 128 tokens
+    .venv/bin/python benchmarks/int8_agreement.py                       # 16 prompts x 128 tokens
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ run by run; the report gives medians and ratios against the PyTorch path:
 - decode step: (full run - prefill run) / (output-len - 1), the full run asking for
   `--output-len` tokens of each prompt.
 
-    .venv/bin/python -m pipellm.bench.cpu_kernels                 # 2 threads, 3 repeats
-    .venv/bin/python -m pipellm.bench.cpu_kernels --threads 1 --repeats 1
+    .venv/bin/python benchmarks/cpu_kernels.py                 # 2 threads, 3 repeats
+    .venv/bin/python benchmarks/cpu_kernels.py --threads 1 --repeats 1
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             kernels, quantization = CONFIGS[name]
             env = {**os.environ, "PIPELLM_CPU_KERNELS": kernels}
-            child = [sys.executable, "-m", "pipellm.bench.cpu_kernels", "--child"]
+            child = [sys.executable, __file__, "--child"]
             child += ["--quantization", quantization]
             child += sys.argv[1:]
             out = subprocess.run(child, env=env, check=True, capture_output=True, text=True)

@@ -10,9 +10,9 @@ The engines take turns run by run (A B C, B C A, ...) and the report gives media
 load on this shared machine hurts both sides alike. Each repetition draws fresh prompts of the
 same lengths, so pipellm's prefix cache never turns a repeat into a cache hit.
 
-    .venv/bin/python -m pipellm.bench.offline_throughput       # 1 and 2 threads, 3 repeats
-    .venv/bin/python -m pipellm.bench.offline_throughput --threads 2 --repeats 1 --num-prompts 4
-    .venv/bin/python -m pipellm.bench.offline_throughput --threads 2 --quantization gguf none
+    .venv/bin/python benchmarks/offline_throughput.py       # 1 and 2 threads, 3 repeats
+    .venv/bin/python benchmarks/offline_throughput.py --threads 2 --repeats 1 --num-prompts 4
+    .venv/bin/python benchmarks/offline_throughput.py --threads 2 --quantization gguf none
 
 The built-in model is a GGUF file: by default pipellm computes on its Q4_1/Q8_0 weights as
 stored (bit-identical results, see pipellm/model/gguf_linear.py); `--quantization none` runs

@@ -1,12 +1,12 @@
 """Does a profile measured here predict real runs? `pipellm profile` times this machine's stage
-steps; then pipellm/bench/pp_scaling.py's workloads run for real (P=1; P=2 without and
+steps; then benchmarks/pp_scaling.py's workloads run for real (P=1; P=2 without and
 with balancing; at two concurrencies) and are predicted by `pipellm simulate` with that
 profile. Prints throughput, mean TTFT and median TPOT, predicted beside measured, with the error.
 
 pp_scaling's client is in-process (no HTTP), so the profile's serving delays stay at zero.
 
-  .venv/bin/python -m pipellm.bench.sim_fidelity [--num-prompts 16 --input-len 512 --output-len 32]
-  .venv/bin/python -m pipellm.bench.sim_fidelity --profile P.json --concurrencies 4 --setups ab
+  .venv/bin/python benchmarks/sim_fidelity.py [--num-prompts 16 --input-len 512 --output-len 32]
+  .venv/bin/python benchmarks/sim_fidelity.py --profile P.json --concurrencies 4 --setups ab
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ import os
 import tempfile
 from pathlib import Path
 
-from pipellm.bench.pp_scaling import SETUPS, run_once
-from pipellm.bench.sim_steps import (
+from pp_scaling import SETUPS, run_once
+from sim_steps import (
     StepRecorder,
     cpu_counters,
     other_processes_cpu,
     print_summary,
     summarize,
 )
+
 from pipellm.config import EngineConfig
 from pipellm.entrypoints.cli import build_parser
 
@@ -72,7 +73,7 @@ def main() -> None:
         "--steps",
         action="store_true",
         help="after each real run, its micro-batches' stage times against the profile's, by "
-        "kind of micro-batch (pipellm/bench/sim_steps.py)",
+        "kind of micro-batch (benchmarks/sim_steps.py)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)

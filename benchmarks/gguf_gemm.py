@@ -11,8 +11,8 @@ lowest level. The GEMMs' weight bytes over the median time give the achieved rea
 printed against the machine's read bandwidth at the same threads (`torch.sum` over 512 MB of
 float32, median of 5: a pure read stream).
 
-    .venv/bin/python -m pipellm.bench.gguf_gemm             # 1 2 3 4 6 8 16 rows, 2 threads
-    .venv/bin/python -m pipellm.bench.gguf_gemm --rows 1 16 --threads 1 --levels avx512 --no-int8
+    .venv/bin/python benchmarks/gguf_gemm.py             # 1 2 3 4 6 8 16 rows, 2 threads
+    .venv/bin/python benchmarks/gguf_gemm.py --rows 1 16 --threads 1 --levels avx512 --no-int8
 """
 
 from __future__ import annotations

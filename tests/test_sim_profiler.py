@@ -6,10 +6,10 @@ import json
 import pytest
 
 from pipellm.entrypoints.cli import build_parser
-from pipellm.entrypoints.sim_measure import DECODE_GRID, PREFILL_GRID, Sample, fit, grid
 from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sim.cost import LinearCoefficients, LinearStageCost
 from pipellm.sim.profile import load_profile
+from pipellm.sim.profiler import DECODE_GRID, PREFILL_GRID, Sample, fit, grid
 from pipellm.sim.shapes import BatchShape
 from tests.checkpoints import make_tiny_checkpoint
 

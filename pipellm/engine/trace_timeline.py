@@ -1,12 +1,11 @@
 """Renders a pipeline trace (Chrome/Perfetto JSON from --trace-file) as a PNG timeline.
 
 One lane per stage, one bar per micro-batch; the gaps between bars are the bubbles.
-Usage: python -m pipellm.bench.timeline TRACE.json OUT.png [--title T] [--seconds S]
+Usage: pipellm trace timeline TRACE.json OUT.png [--title T] [--seconds S]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -59,17 +58,3 @@ def render_timeline(
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("trace")
-    parser.add_argument("png")
-    parser.add_argument("--title", default="")
-    parser.add_argument("--seconds", type=float, help="show only the first S seconds")
-    args = parser.parse_args()
-    render_timeline(args.trace, args.png, args.title, args.seconds)
-
-
-if __name__ == "__main__":
-    main()

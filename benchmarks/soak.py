@@ -9,7 +9,7 @@ the clients closing their stream after a few chunks. Then it checks:
     measured after the first half and at the end, growth under --max-growth-mb.
 Exits 1 if a check fails. Run it alone on the machine (figures in docs/reliability.md):
 
-  cpulock bench .venv/bin/python -m pipellm.bench.soak [--model M] [--num-requests 1000]
+  cpulock bench .venv/bin/python benchmarks/soak.py [--model M] [--num-requests 1000]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from pipellm.bench.server_process import ServerProcess
+from pipellm.testing.server_process import ServerProcess
 
 WORDS = "pipeline stage token cache batch prompt request stream model layer".split()
 

@@ -6,7 +6,7 @@ The sizes are a layer's all-reduce at decode (1 and 16 rows of SmolLM2's 576) an
 The two communicators are timed alternately (shm, gloo, shm, gloo ...) in the same two
 processes; prints the median per call and the ratio.
 
-  .venv/bin/python -m pipellm.bench.tp_allreduce [--iters 2000 --rounds 4]
+  .venv/bin/python benchmarks/tp_allreduce.py [--iters 2000 --rounds 4]
 """
 
 from __future__ import annotations

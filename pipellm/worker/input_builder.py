@@ -18,7 +18,10 @@ class RequestState:
     sampling_params: SamplingParams
 
 
-class ModelRunner:
+class InputBuilder:
+    """A stage's view of its requests (tokens, KV blocks, sampling settings), kept in step with the
+    scheduler's, and the tensors of each step built from it; the model runs in StageWorker."""
+
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.requests: dict[str, RequestState] = {}
