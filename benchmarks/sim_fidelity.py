@@ -97,7 +97,7 @@ def main() -> None:
             start = cpu_counters()
             measured = run_once(setup, args, None, on_core=recorder if args.steps else None)
             # A real run is only as good as the quiet around it: CPU that other processes
-            # took meanwhile (cpulock bench keeps the project's tests out, not everything).
+            # took meanwhile (a lock keeps other benchmarks out, not everything).
             foreign = other_processes_cpu(start)
             measured["foreign_cpu_s"] = foreign
             predicted = predict(setup.engine_args, args, concurrency, profile)

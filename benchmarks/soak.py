@@ -9,7 +9,7 @@ the clients closing their stream after a few chunks. Then it checks:
     measured after the first half and at the end, growth under --max-growth-mb.
 Exits 1 if a check fails. Run it alone on the machine (figures in docs/reliability.md):
 
-  cpulock bench .venv/bin/python benchmarks/soak.py [--model M] [--num-requests 1000]
+  .venv/bin/python benchmarks/soak.py [--model M] [--num-requests 1000]
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ on the Python path, to show what the fused decode path gives) and `llamacpp`. `-
 a subset (llamacpp is always in: the ratios are against it). Ratios are llama.cpp's time over
 each pipellm configuration's.
 
-    cpulock bench .venv/bin/python benchmarks/vs_llamacpp.py               # 2 threads, 3 rounds
+    .venv/bin/python benchmarks/vs_llamacpp.py         # 2 threads, 3 rounds
     .venv/bin/python benchmarks/vs_llamacpp.py --threads 1 --rounds 1 --workloads single
     .venv/bin/python benchmarks/vs_llamacpp.py --workloads single --configs int8 int8-unfused
     .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp-python /opt/llamacpp-venv/bin/python

@@ -34,9 +34,6 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("gguf", "gguf_int8", "none")
 BACKENDS = ("uni", "mp", "ray", "sim")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
-# Where the model, its KV cache and the sampler run. Only the CPU path is built so far, so a
-# machine with a GPU runs pipellm on its CPU too: float32 by default, gloo between stages.
-DEVICE = "cpu"
 
 
 class ConfigError(ValueError):
@@ -148,12 +145,12 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None:
             if not 0 < self.gpu_memory_utilization <= 1:
                 _fail("gpu_memory_utilization", self.gpu_memory_utilization, "use (0, 1]")
-            if DEVICE != "cuda":
-                logger.warning(
-                    "gpu_memory_utilization has no effect on CPU; kv_cache_memory (CLI: "
-                    "--kv-cache-memory) sizes the KV cache"
-                )
-        if self.max_cudagraph_capture_size is not None and DEVICE != "cuda":
+            # pipellm runs on the CPU only: accepted for vLLM command lines, and said so.
+            logger.warning(
+                "gpu_memory_utilization has no effect on CPU; kv_cache_memory (CLI: "
+                "--kv-cache-memory) sizes the KV cache"
+            )
+        if self.max_cudagraph_capture_size is not None:
             logger.warning("max_cudagraph_capture_size has no effect on CPU; ignored")
         if self.pp_chunk_sizing not in ("fixed", "cost"):
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
@@ -321,7 +318,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if DEVICE == "cuda" else torch.float32
+            return torch.float32  # the CPU kernels compute in float32
         return DTYPES[self.dtype]
 
     @property
@@ -354,6 +351,11 @@ class EngineConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.source.name
+
+    @property
+    def tokenizer_source(self) -> ModelSource:
+        """Where the tokenizer comes from: `tokenizer` when given, else the model itself."""
+        return resolve_model(self.tokenizer) if self.tokenizer else self.source
 
     @classmethod
     def field_names(cls) -> set[str]:

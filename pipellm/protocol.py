@@ -184,4 +184,14 @@ class StageReady:
 
 @dataclass
 class StageFailed:
-    traceback: str  # logged by the engine; only its last line travels on to clients
+    traceback: str  # logged by the engine; only its last line travels on to clients (one_line)
+
+
+def one_line(text: str, *, last: bool = False, default: str = "unknown") -> str:
+    """One line of a multi-line reason, for /health, clients and short logs (the whole text
+    stays in the server log): a message's first line, or with `last` a traceback's last (the
+    exception), at most 200 characters; `default` when the text is blank."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return default
+    return (lines[-1] if last else lines[0])[:200]

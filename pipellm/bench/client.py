@@ -49,7 +49,7 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 async def send_request(
-    session: aiohttp.ClientSession,
+    http: aiohttp.ClientSession,
     url: str,
     payload: dict[str, Any],
     prompt_len: int,
@@ -62,7 +62,7 @@ async def send_request(
     finished = False
     out.start_time = time.perf_counter()
     try:
-        async with session.post(url, json=payload, headers=headers) as response:
+        async with http.post(url, json=payload, headers=headers) as response:
             if response.status != 200:
                 body = (await response.text())[:ERROR_BODY_CHARS]
                 out.error = f"HTTP {response.status}: {body}"

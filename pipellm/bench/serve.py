@@ -209,8 +209,8 @@ async def fetch_first_model(base_url: str) -> str:
     """The first model id the server lists at /v1/models."""
     url = f"{base_url}/v1/models"
     try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(url, headers=_auth_headers()) as response:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url, headers=_auth_headers()) as response:
                 response.raise_for_status()
                 return (await response.json())["data"][0]["id"]
     except (aiohttp.ClientError, KeyError, IndexError) as e:
@@ -344,8 +344,8 @@ async def _benchmark(
     # No connection cap of aiohttp's own: the semaphore is the only limit on concurrency.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        sender = _Sender(session, url, _auth_headers(), args.max_concurrency or len(requests))
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        sender = _Sender(http, url, _auth_headers(), args.max_concurrency or len(requests))
         pairs = list(zip(requests, payloads, strict=True))
         timed, warmups = pairs[: args.num_prompts], pairs[args.num_prompts :]
         if warmups:
@@ -361,9 +361,9 @@ class _Sender:
     """Sends batches of requests on a schedule, at most max_concurrency in flight."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, url: str, headers: dict, max_concurrency: int
+        self, http: aiohttp.ClientSession, url: str, headers: dict, max_concurrency: int
     ) -> None:
-        self.session = session
+        self.http = http
         self.url = url
         self.headers = headers
         self.semaphore = asyncio.Semaphore(max_concurrency)
@@ -386,9 +386,7 @@ class _Sender:
     ) -> RequestOutput:
         await asyncio.sleep(send_time - time.perf_counter())
         async with self.semaphore:
-            out = await send_request(
-                self.session, self.url, payload, request.prompt_len, self.headers
-            )
+            out = await send_request(self.http, self.url, payload, request.prompt_len, self.headers)
         if bar is not None:
             bar.update()
         return out

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from pipellm.model.model_config import ModelConfig
 
-# Fitted on this project's reference CPU (2-core Xeon, AVX-512), SmolLM2-135M with its GGUF
-# weights, one thread, by benchmarks/chunk_cost.py (docs/benchmarks.md): per FLOP the attention
+# Fitted on a 2-core AVX-512 Xeon, SmolLM2-135M with its GGUF weights, one thread, by
+# benchmarks/chunk_cost.py (docs/benchmarks.md): per FLOP the attention
 # kernels ran a little faster than the quantized GEMMs (slowdown 0.73; fit residuals up to 18%).
 CPU_ATTENTION_SLOWDOWN = 0.73
 

@@ -27,7 +27,6 @@ from pipellm.engine.request import Request
 from pipellm.engine.scheduler import Scheduler, SchedulerConfig
 from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.factory import make_executor
-from pipellm.loader.source import resolve_model
 from pipellm.protocol import EngineOutput, EngineStats, ModelOutput, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
@@ -62,8 +61,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.clock = clock  # pipellm simulate passes a virtual clock's
-        source = resolve_model(config.tokenizer) if config.tokenizer else config.source
-        self.tokenizer: Tokenizer = load_tokenizer(source)
+        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer_source)
         # generation_config.json may name more end tokens than the tokenizer does.
         self.eos_token_ids = tuple(
             sorted(set(self.tokenizer.eos_token_ids) | set(config.model_config.eos_token_ids))

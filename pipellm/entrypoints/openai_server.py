@@ -40,7 +40,6 @@ from pipellm.entrypoints.openai_protocol import (
 from pipellm.entrypoints.openai_serving import OpenAIServing, one_line
 from pipellm.entrypoints.server_limits import BodyLimits, ServerLimits, header_timeout_protocol
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.loader.source import resolve_model
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -215,8 +214,7 @@ def run_server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     core = CoreProcess(config)
     try:
-        tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else config.source
-        tokenizer = load_tokenizer(tokenizer_source)
+        tokenizer = load_tokenizer(config.tokenizer_source)
         core.wait_ready()
         logger.info("engine core ready (pid %d)", core.pid)
         host, port = sock.getsockname()[:2]

@@ -25,7 +25,7 @@ from pipellm.entrypoints.openai_protocol import (
 )
 from pipellm.entrypoints.server_limits import ServerLimits, prompt_chars_bound
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.protocol import EngineOutput, Logprobs
+from pipellm.protocol import EngineOutput, Logprobs, one_line
 from pipellm.sampling_params import SamplingParams
 from pipellm.text.tokenizer import Tokenizer
 
@@ -409,11 +409,6 @@ def _as_openai_error(error: Exception) -> OpenAIError:
         message = f"the engine failed this request ({error}); the server log has the details"
         return OpenAIError(message, status_code=500, type="server_error")
     return OpenAIError(str(error))
-
-
-def one_line(reason: str) -> str:
-    """The first line of an internal reason: tracebacks stay in the server log."""
-    return reason.strip().splitlines()[0] if reason.strip() else "unknown"
 
 
 def _finish(out: EngineOutput | None) -> Chunk:

@@ -29,7 +29,7 @@ from pipellm.config import EngineConfig
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.remote import RemoteStagesExecutor
-from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady
+from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady, one_line
 from pipellm.worker.net import LOOPBACK, free_port
 
 logger = logging.getLogger(__name__)
@@ -126,8 +126,8 @@ class MultiprocExecutor(RemoteStagesExecutor):
         """Logs the stage's traceback; the reason that travels on (to /health, to clients)
         is its last line only."""
         logger.error("pipeline stage %d failed:\n%s", rank, traceback_text)
-        last_line = traceback_text.strip().splitlines()[-1] if traceback_text.strip() else "?"
-        self._pending.fail(f"pipeline stage {rank} failed: {last_line[:200]}", log=False)
+        reason = one_line(traceback_text, last=True)
+        self._pending.fail(f"pipeline stage {rank} failed: {reason}", log=False)
 
     def check_health(self) -> None:
         self._raise_if_dead()
@@ -223,7 +223,7 @@ def reap(processes: list[mp.process.BaseProcess], conns: list[Connection]) -> No
 # ---- inside a stage process -----------------------------------------------------------------
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int) -> None:
     """A stage blocked in recv would never notice its engine is gone: poll and leave."""
     while True:
         time.sleep(0.5)
@@ -237,7 +237,7 @@ _NOT_YET = object()  # the engine has not sent the next schedule yet
 def stage_main(
     config: EngineConfig, rank: int, port: int, conn: Connection, parent_pid: int
 ) -> None:
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         from pipellm.worker.pipeline_stage import PipelineStage
         from pipellm.worker.process_group import Rendezvous

@@ -35,7 +35,7 @@ class RayClusterError(RuntimeError):
 
 
 @dataclass
-class RaySession:
+class RayConnection:
     """The Ray this executor uses; `private` when pipellm started it (and must stop it)."""
 
     private: bool
@@ -45,13 +45,13 @@ class RaySession:
     processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, start time)
 
 
-def connect(num_ranks: int) -> RaySession:
+def connect(num_ranks: int) -> RayConnection:
     """Joins the cluster RAY_ADDRESS names, or starts a private local Ray (a CPU per rank at
     least)."""
     import ray
 
     if ray.is_initialized():  # the caller connected already: use it, never stop it
-        return RaySession(private=False, connected_here=False, address=_gcs_address())
+        return RayConnection(private=False, connected_here=False, address=_gcs_address())
     address = os.environ.get("RAY_ADDRESS")
     if address:
         try:
@@ -63,7 +63,7 @@ def connect(num_ranks: int) -> RaySession:
                 "hosts); if it uses token authentication, set RAY_AUTH_MODE=token and give this "
                 "host its token (docs/multinode.md); unset RAY_ADDRESS for a private local Ray"
             ) from error
-        return RaySession(private=False, connected_here=True, address=_gcs_address())
+        return RayConnection(private=False, connected_here=True, address=_gcs_address())
     temp_dir = tempfile.mkdtemp(prefix="pipellm-ray-")
     ray.init(
         num_cpus=max(num_ranks, os.cpu_count() or 1),
@@ -72,33 +72,34 @@ def connect(num_ranks: int) -> RaySession:
         log_to_driver=False,
         configure_logging=False,
     )
-    session = RaySession(True, True, _gcs_address(), temp_dir)
-    session.processes = _processes_of(temp_dir)
-    return session
+    connection = RayConnection(True, True, _gcs_address(), temp_dir)
+    connection.processes = _processes_of(temp_dir)
+    return connection
 
 
-def disconnect(session: RaySession) -> None:
+def disconnect(connection: RayConnection) -> None:
     """Leaves a joined cluster running (only disconnects); stops a private Ray and every
     process of it."""
     import ray
 
-    if not session.private:
-        if session.connected_here:
+    if not connection.private:
+        if connection.connected_here:
             ray.shutdown()  # a driver's disconnect: the cluster's processes are not ours
         return
-    session.processes = _processes_of(session.temp_dir, session.processes)  # workers, agents
+    # Workers and agents started since connect.
+    connection.processes = _processes_of(connection.temp_dir, connection.processes)
     ray.shutdown()
     deadline = time.monotonic() + REAP_GRACE_S
-    while any(_alive(p) for p in session.processes) and time.monotonic() < deadline:
+    while any(_alive(p) for p in connection.processes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid, started in session.processes:
+    for pid, started in connection.processes:
         if _alive((pid, started)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    if session.temp_dir is not None:
-        shutil.rmtree(session.temp_dir, ignore_errors=True)
+    if connection.temp_dir is not None:
+        shutil.rmtree(connection.temp_dir, ignore_errors=True)
 
 
 def stage_bundle(config: EngineConfig) -> dict[str, float]:

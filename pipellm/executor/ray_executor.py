@@ -32,7 +32,7 @@ from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.ray_stage import StageActor, StageLocation
 from pipellm.executor.remote import RemoteStagesExecutor
-from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.protocol import ModelOutput, SchedulerOutput, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class RayExecutor(RemoteStagesExecutor):
 class _Held:
     """What the executor must give back: its actors, its placement group, a private Ray."""
 
-    session: ray_cluster.RaySession
+    connection: ray_cluster.RayConnection
     actors: list[Any] = field(default_factory=list)
     group: Any = None
 
@@ -278,7 +278,7 @@ def _release(held: _Held) -> None:
             remove_placement_group(held.group)
         except Exception:
             pass
-    ray_cluster.disconnect(held.session)
+    ray_cluster.disconnect(held.connection)
 
 
 def _read_clock(actor: Any) -> float:
@@ -305,10 +305,9 @@ def _cause(error: BaseException) -> str:
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
     if isinstance(error, ActorDiedError | ActorUnavailableError):
-        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        detail = one_line(str(error), default="")
         return f"its Ray actor is gone: the stage process or its host died ({detail})"
     cause = getattr(error, "cause", None)
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {cause}"
-    text = str(error).strip().splitlines()
-    return text[-1] if text else type(error).__name__
+    return one_line(str(error), last=True, default=type(error).__name__)

@@ -34,7 +34,8 @@ from pipellm.sim.shapes import BatchShape
 
 logger = logging.getLogger(__name__)
 
-# Measured on this project's reference CPU, per thread (see ../shared/CPU_PERF_NOTES.md).
+# The default roofline when no --sim-profile is given: a laptop-class x86 core's float32 GEMM
+# rate and memory bandwidth per thread, a coarse stand-in (a fitted profile is far closer).
 FLOPS_PER_THREAD = 155e9
 BYTES_PER_S_PER_THREAD = 12.8e9
 STEP_OVERHEAD_S = 2.5e-3  # Python and framework overhead of one stage step

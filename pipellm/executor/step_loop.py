@@ -3,12 +3,11 @@ thread, which takes the next one the moment the last is done.
 
 Why not one Ray actor task per micro-batch, run by the actor's own thread? Between two such
 tasks Ray hands the finished result to its I/O threads and the next task back to the actor's
-thread; on a host whose cores are busy computing, each hand-over waits for a time slice. On the
-two-host cluster (two 1-CPU hosts on one 2-core machine) the last stage started a micro-batch
-whose input was already there 9 ms (median) after finishing the one before: 4.7% of its time,
-against about 1 ms in the mp backend, whose stage reads its next schedule from a pipe itself
-(docs/pipeline.md). Here Ray's threads (the actor's `max_concurrency`) only hand a micro-batch
-in and wait for its result, so they work while the loop computes, not between micro-batches.
+thread; on a host whose cores are busy computing, each hand-over waits for a time slice, so a
+stage sat idle with its next input already there, several times longer than the mp backend's
+stage, which reads its next schedule from a pipe itself (docs/pipeline.md). Here Ray's threads
+(the actor's `max_concurrency`) only hand a micro-batch in and wait for its result, so they
+work while the loop computes, not between micro-batches.
 
 Ray runs a threaded actor's calls in no guaranteed order (Ray's "Actor Task Execution Order"),
 so every micro-batch carries its submission number and the loop runs them in that order: every

@@ -4,12 +4,12 @@ rank 0 runs in the engine's own process, ranks 1..T-1 in processes of their own.
 vLLM's driver worker does the same (its rank 0 lives in the engine's process). The general mp
 backend (executor/mp.py) gives every rank a process, so a decode step costs a third process on
 the cores, the schedule pickled to T pipes, and the result's return through a pipe, a reader
-thread and a future: ~0.65 ms of a one-sequence step here (bench/tp_decode_profile.py,
-docs/benchmarks.md, "Tensor parallelism, fourth pass"). Here rank 0 computes in `submit`, as
-one process with threads would, and only the other ranks need the schedule. It reaches them
-through the communicator's broadcast, not a pipe: a rank asleep in a pipe read woke ~0.1 ms
-after the write, late to the step's first all-reduce, which rank 0 then waited out; spinning
-on the segment it starts within microseconds (and sleeps once the engine idles).
+thread and a future: a measurable share of a one-sequence decode step. Here rank 0 computes in
+`submit`, as one process with threads would, and only the other ranks need the schedule. It
+reaches them through the communicator's broadcast, not a pipe: a rank asleep in a pipe read
+wakes a scheduler time slice after the write, late to the step's first all-reduce, which rank 0
+then waits out; spinning on the segment it starts within microseconds (and sleeps once the
+engine idles).
 
 The ranks meet only through the shared-memory communicator (parallel/shm_comm.py): with one
 stage there are no hidden states to pass, so no torch.distributed group at all. The engine's
@@ -37,13 +37,13 @@ import torch
 from pipellm.config import EngineConfig
 from pipellm.executor.base import Executor, WorkerDiedError
 from pipellm.executor.mp import (
-    _exit_with_parent,
     exit_cause,
+    exit_with_parent,
     reap,
     spawn_with_pipes,
     wait_ready,
 )
-from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady
+from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady, one_line
 
 
 def driver_applies(config: EngineConfig) -> bool:
@@ -63,14 +63,14 @@ class TensorParallelDriverExecutor(Executor):
             PREFIX,
             SLOT_BYTES,
             ShmComm,
-            _library,
             remove_stale_segments,
+            shm_library,
         )
 
         self.tp_size = config.tensor_parallel_size
         self.dead: str | None = None
         self._closed = False
-        lib = _library()
+        lib = shm_library()
         remove_stale_segments()
         name = f"/{PREFIX}{os.getpid()}-0-{secrets.token_hex(4)}"
         self.comm = ShmComm(lib.open(name, True, self.tp_size, 0, SLOT_BYTES), self.tp_size, 0)
@@ -151,8 +151,8 @@ class TensorParallelDriverExecutor(Executor):
                 except (EOFError, OSError):
                     failed = None
                 if isinstance(failed, StageFailed):
-                    lines = failed.traceback.strip().splitlines() or ["?"]
-                    return f"{self._rank_label(i)} failed: {lines[-1][:200]}"
+                    reason = one_line(failed.traceback, last=True)
+                    return f"{self._rank_label(i)} failed: {reason}"
                 if not process.is_alive():
                     process.join(timeout=1.0)  # the exit code is set on join
                     return f"{self._rank_label(i)} {exit_cause(process.exitcode)}"
@@ -201,14 +201,14 @@ def _reap(
 def rank_main(
     config: EngineConfig, tp_rank: int, segment: str, conn: Connection, parent_pid: int
 ) -> None:
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
-        from pipellm.parallel.shm_comm import SLOT_BYTES, ShmComm, _library
+        from pipellm.parallel.shm_comm import SLOT_BYTES, ShmComm, shm_library
         from pipellm.worker.worker import StageWorker
 
         torch.set_num_threads(config.threads_per_stage)
         size = config.tensor_parallel_size
-        comm = ShmComm(_library().open(segment, False, size, tp_rank, SLOT_BYTES), size, tp_rank)
+        comm = ShmComm(shm_library().open(segment, False, size, tp_rank, SLOT_BYTES), size, tp_rank)
         worker = StageWorker(config, 0, tp_rank, comm)
         conn.send(StageReady())
     except BaseException:
@@ -218,10 +218,11 @@ def rank_main(
         payload = comm.broadcast_recv()
         while payload:  # empty: stop
             worker.execute(pickle.loads(payload))
-            # The step streamed the weights through the caches: unpickling this schedule once
-            # more while the engine makes the next one brings the unpickler back into them, so
-            # the next one takes ~20 us, not ~60 us, on the way to the step's first
-            # all-reduce, where rank 0 waits for this rank.
+            # Deliberately unpickled twice. The step streamed the weights through the CPU caches
+            # and evicted the unpickler's code and data; doing it once more now, while the engine
+            # makes the next schedule, brings them back, so the next schedule's unpickling (on
+            # the way to the step's first all-reduce, where rank 0 waits for this rank) runs
+            # warm. The result is thrown away; it costs only time this rank would spend idle.
             pickle.loads(payload)
             payload = comm.broadcast_recv()
         comm.close()

@@ -215,13 +215,6 @@ def int8_activations_unavailable() -> str | None:
     return None
 
 
-def int8_dot_product() -> str:
-    """Which instructions the int8-activation GEMM sums with on this CPU, for the logs."""
-    if chosen_level() == "avx512" and "avx512_vnni" in (cpu_flags() or _flags_from_torch()):
-        return "AVX-512 VNNI (vpdpbusd)"
-    return "AVX2 (vpmaddubsw + vpmaddwd)"
-
-
 def kernels_apply(x: torch.Tensor) -> bool:
     """Whether the kernels can take x: a float32 CPU tensor, on a machine where they built."""
     return x.is_cpu and x.dtype == torch.float32 and cpu_kernels_available()

@@ -1,10 +1,10 @@
 // All of a pipeline stage's decoder layers for a batch of decodes (one new token per sequence),
 // in one call from Python (pipellm/model/decode_fast_path.py).
 //
-// Why: at one sequence a layer's kernels take ~181 us, but its Python forward ~301 us; the
+// Why: at one sequence a layer's Python forward takes well over its kernels' time; the
 // difference is glue (module calls, the kernel wrappers' checks, view/split, one torch.ops
-// dispatch from Python per kernel), ~3.6 ms of an ~11 ms step (docs/benchmarks.md, "Where a
-// one-sequence step goes"). Here the glue is C++: each layer calls the SAME kernels, in the
+// dispatch from Python per kernel), about a third of a one-sequence decode step
+// (docs/benchmarks.md, "The fused decode path"). Here the glue is C++: each layer calls the SAME kernels, in the
 // SAME order and on the same inputs as LlamaStage's Python path (model/llama.py), through the
 // dispatcher with typed handles looked up once, so the hidden states are bit-identical; the
 // Python path stays the reference and the fallback (prefills, mixed batches, models the

@@ -61,8 +61,8 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 def kv_head_of_query(group_starts: tuple[int, ...]) -> torch.Tensor:
     """Each query head's KV head, from uneven group offsets (see TensorParallelPlan's
     kv_group_starts): (0, 3, 5) -> [0, 0, 0, 1, 1]. Cached (never written to): built per
-    call it was four small tensor ops in every layer's attention, ~80 us a layer and 2.4 ms
-    of a one-sequence TP decode step (docs/benchmarks.md, "Tensor parallelism, fourth pass")."""
+    call it was four small tensor ops in every layer's attention, a visible share of a
+    one-sequence tensor-parallel decode step."""
     sizes = torch.tensor(group_starts).diff()
     return torch.repeat_interleave(torch.arange(len(sizes)), sizes)
 

@@ -256,8 +256,8 @@ class LlamaStage(nn.Module):
         logits (with tensor parallelism): each rank takes its vocabulary slice's first maximum,
         the ranks exchange (value, token) pairs, and the first rank's wins a tie, as the first
         maximum of the whole row would. Each rank sends 8 bytes a row instead of its slice of
-        the vocabulary (SmolLM2: 96 KiB a row); at one sequence the step time did not change
-        measurably (docs/benchmarks.md, "Tensor parallelism, fifth pass")."""
+        the vocabulary (SmolLM2: 96 KiB a row), which is less to copy, though at one sequence
+        the step time did not change measurably."""
         logits = self._vocab_slice_logits(hidden)
         best = argmax_rows(logits)
         if self.comm is None:

@@ -32,7 +32,7 @@ SLOT_BYTES = 1 << 20
 
 
 @functools.cache
-def _library() -> ModuleType | None:
+def shm_library() -> ModuleType | None:
     if os.name != "posix":
         return None
     try:
@@ -51,7 +51,7 @@ def _library() -> ModuleType | None:
 
 
 def shm_comm_available() -> bool:
-    return _library() is not None
+    return shm_library() is not None
 
 
 def remove_stale_segments() -> list[str]:
@@ -73,13 +73,13 @@ class ShmComm:
     tensor-parallel group."""
 
     def __init__(self, handle: int, size: int, rank: int) -> None:
-        self._lib = _library()
+        self._lib = shm_library()
         self.handle, self.size, self.rank = handle, size, rank
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, ranks: list[int], stage: int) -> ShmComm:
         """Collective over `group`: rank 0 makes the segment, all map it, rank 0 unlinks it."""
-        lib = _library()
+        lib = shm_library()
         size, rank = len(ranks), ranks.index(dist.get_rank())
         names = [None]
         if rank == 0:

@@ -9,7 +9,6 @@ import torch
 
 from pipellm.config import EngineConfig
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
-from pipellm.loader.source import resolve_model
 from pipellm.loader.weights import iter_quantized_weights, iter_weights
 from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
@@ -148,9 +147,7 @@ class StageWorker:
 
     def _tokenizer(self) -> Tokenizer:
         """The engine's tokenizer (the grammar masks map text to its tokens)."""
-        config = self.config
-        source = resolve_model(config.tokenizer) if config.tokenizer else config.source
-        return load_tokenizer(source)
+        return load_tokenizer(self.config.tokenizer_source)
 
     def _row_rules(self, item: ScheduledRequest, params: SamplingParams) -> RowRules | None:
         if not params.has_logits_rules:
