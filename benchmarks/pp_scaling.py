@@ -191,7 +191,7 @@ def run_once(
     on_core: Callable[[EngineCore], None] | None = None,
 ) -> dict:
     """One real run; `on_core` sees the engine before the first request (to record its
-    micro-batches: benchmarks/sim_steps.py)."""
+    micro-batches: benchmarks/sim_fidelity.py --steps)."""
     config = EngineConfig(
         model=args.model,
         max_num_seqs=8,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipellm.bench.metrics import (
-    RequestOutput,
+    RequestTiming,
     compute_metrics,
     output_tokens_per_second,
     peak_concurrency,
@@ -18,14 +18,14 @@ from pipellm.bench.report import format_table, save_result
 START = 100.0  # benchmark start; every time below is exact in binary floating point
 
 
-def _run() -> list[RequestOutput]:
+def _run() -> list[RequestTiming]:
     """Three finished requests and one failure, hand-timed."""
     return [
-        RequestOutput(10, 100.0, 101.25, [100.5, 100.75, 101.0, 101.25], 4, "abcd", True),
-        RequestOutput(6, 100.25, 101.75, [101.0, 101.5], 2, "ef", True),
+        RequestTiming(10, 100.0, 101.25, [100.5, 100.75, 101.0, 101.25], 4, "abcd", True),
+        RequestTiming(6, 100.25, 101.75, [101.0, 101.5], 2, "ef", True),
         # Starts at the instant the request above ends.
-        RequestOutput(8, 101.75, 102.0, [], 0, "", False, "HTTP 500: boom"),
-        RequestOutput(4, 101.0, 101.5, [101.5], 1, "g", True),
+        RequestTiming(8, 101.75, 102.0, [], 0, "", False, "HTTP 500: boom"),
+        RequestTiming(4, 101.0, 101.5, [101.5], 1, "g", True),
     ]
 
 
@@ -33,7 +33,7 @@ def test_request_timings() -> None:
     first = _run()[0]
     assert (first.ttft, first.latency, first.itl, first.tpot) == (0.5, 1.25, [0.25] * 3, 0.25)
     assert _run()[3].tpot is None  # one token: no time per output token
-    assert RequestOutput(1, 5.0, 5.5, [], 1, success=True).ttft == 0.5
+    assert RequestTiming(1, 5.0, 5.5, [], 1, success=True).ttft == 0.5
 
 
 def test_compute_metrics_by_hand() -> None:
@@ -113,10 +113,10 @@ def test_peak_concurrency_is_exact_where_per_second_buckets_overstate() -> None:
 
 def test_tokens_per_second_buckets_and_spreading() -> None:
     outputs = [
-        RequestOutput(1, 0.0, 3.0, [0.25, 0.5, 2.5], 3, success=True),
+        RequestTiming(1, 0.0, 3.0, [0.25, 0.5, 2.5], 3, success=True),
         # Usage says 6 tokens over 2 chunks: 3 per chunk.
-        RequestOutput(1, 0.0, 2.0, [1.0, 1.75], 6, success=True),
-        RequestOutput(1, 0.0, 2.0, [1.0], 1, success=False, error="cut off"),
+        RequestTiming(1, 0.0, 2.0, [1.0, 1.75], 6, success=True),
+        RequestTiming(1, 0.0, 2.0, [1.0], 1, success=False, error="cut off"),
     ]
     assert output_tokens_per_second(outputs, benchmark_start=0.0) == [2.0, 6.0, 1.0]
     assert output_tokens_per_second(outputs, benchmark_start=-0.5) == [1.0, 4.0, 3.0, 1.0]

@@ -7,7 +7,7 @@ from typing import Any
 import aiohttp
 
 from pipellm.bench.datasets import SampleRequest
-from pipellm.bench.metrics import RequestOutput
+from pipellm.bench.metrics import RequestTiming
 
 # How much of an error response body to keep in the error message.
 ERROR_BODY_CHARS = 300
@@ -54,9 +54,9 @@ async def send_request(
     payload: dict[str, Any],
     prompt_len: int,
     headers: dict[str, str],
-) -> RequestOutput:
+) -> RequestTiming:
     """Send one streaming request; failures are reported in the output, never raised."""
-    out = RequestOutput(prompt_len=prompt_len)
+    out = RequestTiming(prompt_len=prompt_len)
     text_parts: list[str] = []
     usage_tokens: int | None = None
     finished = False

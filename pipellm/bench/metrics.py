@@ -11,7 +11,7 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass
-class RequestOutput:
+class RequestTiming:
     """What one request did, as absolute time.perf_counter() timestamps."""
 
     prompt_len: int
@@ -79,7 +79,7 @@ def peak_concurrency(intervals: list[tuple[float, float]]) -> int:
     return peak
 
 
-def output_tokens_per_second(outputs: list[RequestOutput], benchmark_start: float) -> list[float]:
+def output_tokens_per_second(outputs: list[RequestTiming], benchmark_start: float) -> list[float]:
     """Output tokens per 1-second bucket since benchmark_start, by chunk arrival time.
 
     A request's tokens are spread evenly over its text chunks, so a server that sends several
@@ -98,7 +98,7 @@ def output_tokens_per_second(outputs: list[RequestOutput], benchmark_start: floa
 
 
 def compute_metrics(
-    outputs: list[RequestOutput],
+    outputs: list[RequestTiming],
     benchmark_start: float,
     duration: float,
     percentiles: list[float],

@@ -6,10 +6,10 @@ matplotlib.use("Agg")  # files only; never needs a display
 
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from pipellm.bench.metrics import RequestOutput, output_tokens_per_second  # noqa: E402
+from pipellm.bench.metrics import RequestTiming, output_tokens_per_second  # noqa: E402
 
 
-def plot_run(outputs: list[RequestOutput], benchmark_start: float, path: str, title: str) -> None:
+def plot_run(outputs: list[RequestTiming], benchmark_start: float, path: str, title: str) -> None:
     """Draw the three panels of a run's successful requests into path."""
     done = [out for out in outputs if out.success]
     ttfts_ms = [out.ttft * 1000 for out in done]

@@ -24,7 +24,7 @@ from pipellm.bench.datasets import (
     sample_random_requests,
     sample_sharegpt_requests,
 )
-from pipellm.bench.metrics import METRICS, RequestOutput, compute_metrics
+from pipellm.bench.metrics import METRICS, RequestTiming, compute_metrics
 from pipellm.bench.report import format_table, save_result
 
 # The familiar tool's fixed per-request limit; long prompts on slow servers need hours.
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace, model: str, tokenizer: TokenizerLike) -> dict[
 def report(
     args: argparse.Namespace,
     model: str,
-    outputs: list[RequestOutput],
+    outputs: list[RequestTiming],
     benchmark_start: float,
     duration: float,
 ) -> dict[str, Any]:
@@ -339,7 +339,7 @@ def arrival_offsets(
 
 async def _benchmark(
     args: argparse.Namespace, url: str, requests: list[SampleRequest], payloads: list[dict]
-) -> tuple[list[RequestOutput], float, float]:
+) -> tuple[list[RequestTiming], float, float]:
     """Warmups, then the timed run; returns its outputs, start time and duration."""
     # No connection cap of aiohttp's own: the semaphore is the only limit on concurrency.
     connector = aiohttp.TCPConnector(limit=0)
@@ -370,7 +370,7 @@ class _Sender:
 
     async def send_all(
         self, batch: list[tuple[SampleRequest, dict]], offsets: list[float], bar: tqdm | None
-    ) -> tuple[list[RequestOutput], float, float]:
+    ) -> tuple[list[RequestTiming], float, float]:
         """Send each request at start + its offset; returns outputs, start and duration."""
         start = time.perf_counter()
         outputs = await asyncio.gather(
@@ -383,7 +383,7 @@ class _Sender:
 
     async def _send_at(
         self, send_time: float, request: SampleRequest, payload: dict, bar: tqdm | None
-    ) -> RequestOutput:
+    ) -> RequestTiming:
         await asyncio.sleep(send_time - time.perf_counter())
         async with self.semaphore:
             out = await send_request(self.http, self.url, payload, request.prompt_len, self.headers)
@@ -426,7 +426,7 @@ def _settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
     }
 
 
-def _per_request(outputs: list[RequestOutput], benchmark_start: float) -> dict[str, list]:
+def _per_request(outputs: list[RequestTiming], benchmark_start: float) -> dict[str, list]:
     """The --save-detailed lists, one entry per timed request in dataset order; times in s."""
     return {
         "input_lens": [out.prompt_len for out in outputs],

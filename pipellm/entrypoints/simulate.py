@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pipellm.bench.datasets import length_range
-from pipellm.bench.metrics import RequestOutput
+from pipellm.bench.metrics import RequestTiming
 from pipellm.bench.serve import (
     add_output_args,
     add_workload_args,
@@ -69,7 +69,7 @@ class VirtualClient:
         self._last_send = -math.inf
         self._unfinished = len(requests)
         self._index = {request_id: i for i, (request_id, *_) in enumerate(requests)}
-        self.outputs = [RequestOutput(prompt_len=r[3]) for r in requests]
+        self.outputs = [RequestTiming(prompt_len=r[3]) for r in requests]
         self._texts: list[list[str]] = [[] for _ in requests]
 
     @property
