@@ -1,12 +1,14 @@
 """Pipeline stats: busy and bubble fractions from stage times; trace and timeline output."""
 
+import importlib.util
 import json
 
 import pytest
 
 from pipellm.engine.pipeline_stats import MicroBatchRecord, PipelineStats
 from pipellm.engine.trace_bubbles import stage_gaps
-from pipellm.engine.trace_timeline import load_slices, render_timeline
+from pipellm.engine.trace_timeline import load_slices
+from pipellm.entrypoints import cli
 
 
 def stats_with(records: list[MicroBatchRecord]) -> PipelineStats:
@@ -62,11 +64,32 @@ def test_trace_has_one_lane_per_stage_and_renders(tmp_path):
     lanes = load_slices(trace)
     assert [round(s, 6) for s, _, _ in lanes[1]] == [1.0, 2.0, 3.0]
     png = tmp_path / "t.png"
-    render_timeline(trace, png)
+    cli.main(["trace", "timeline", str(trace), str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bubbles_tell_waiting_on_the_other_stage_from_overhead(tmp_path):
+def test_pngs_without_matplotlib_name_the_extra(tmp_path, monkeypatch, capsys):
+    """--plot, the timeline and the demo say which extra to install, before any work."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a),
+    )
+    png = tmp_path / "t.png"
+    for argv in (
+        ["trace", "timeline", str(tmp_path / "absent.json"), str(png)],
+        ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--plot", str(png)],
+        ["demo"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+        assert "pip install 'pipellm[plot]'" in capsys.readouterr().err
+    assert not png.exists()
+
+
+def test_bubbles_tell_waiting_on_the_other_stage_from_overhead(tmp_path, capsys):
     records = [
         MicroBatchRecord(0, 0.0, 3.0, 1, 10, 1, [(0.0, 1.0), (1.05, 3.0)]),
         MicroBatchRecord(1, 0.0, 3.5, 1, 10, 2, [(1.0, 2.0), (3.0, 3.5)]),
@@ -77,6 +100,10 @@ def test_bubbles_tell_waiting_on_the_other_stage_from_overhead(tmp_path):
     trace = tmp_path / "t.json"
     stats_with(records).write_trace(str(trace))
     first, second = stage_gaps(trace)
+    cli.main(["trace", "bubbles", str(trace)])  # the same figures, as `pipellm trace` prints them
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("stage 0: busy    2.90 s (58%)  waiting   1.00 s (20.0%)")
+    assert printed[-1].startswith("stage 1: busy    3.43 s")
     assert first.busy_s == pytest.approx(2.9) and second.busy_s == pytest.approx(3.43)
     assert first.waiting_s == pytest.approx(1.0) and first.overhead_s == pytest.approx(0.1)
     assert second.waiting_s == pytest.approx(0.5) and second.overhead_s == pytest.approx(0.02)

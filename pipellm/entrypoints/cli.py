@@ -95,6 +95,40 @@ def require_plot_extra(what: str) -> None:
         )
 
 
+def _add_profile_args(parser: argparse.ArgumentParser) -> None:
+    from pipellm.sim.profiler import profile
+
+    parser.add_argument(
+        "model", nargs="?", help="local HF folder, .gguf, or built-in preset (default: SmolLM2)"
+    )
+    parser.add_argument("--output", required=True, help="where to write the profile JSON")
+    parser.add_argument(
+        "--pipeline-parallel-sizes",
+        default="1,2",
+        help="time every stage of each of these P (comma-separated; default %(default)s)",
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=1, help="torch threads per stage (default 1)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length (default: the model's); grid points beyond it are skipped",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="timed runs per micro-batch (after a warm-up)"
+    )
+    parser.add_argument(
+        "--timing",
+        choices=("stream", "alone"),
+        default="stream",
+        help="stream: each grid point's copies go through the engine's own executor with its "
+        "in-flight depth, every stage busy, as in serving; alone: each stage timed alone and "
+        "with all P at once, which also measures concurrent_slowdown (default %(default)s)",
+    )
+    parser.set_defaults(func=profile)
+
+
 def _demo(args: argparse.Namespace) -> None:
     from pipellm.entrypoints.demo import run_demo
 
@@ -145,9 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "micro-batch shapes, fits the linear cost model of docs/simulation.md, prints the fit "
         "error and writes a profile for --sim-profile.",
     )
-    from pipellm.sim.profiler import add_cli_args as add_profile_args
-
-    add_profile_args(profile)
+    _add_profile_args(profile)
 
     demo = sub.add_parser("demo", help="the main job on the built-in model")
     demo.set_defaults(func=_demo)

@@ -1,4 +1,5 @@
-"""Simulation: profiles of stage step times, a virtual clock, and `pipellm simulate`.
+"""Simulation: `pipellm profile` (times real stage steps and fits the cost model), the cost
+models, the profiles they read (sim/profiles/ ships two), and the virtual clock.
 
-See docs/simulation.md for the cost models and how far to trust them.
+See docs/simulation.md for the method and how far to trust it.
 """

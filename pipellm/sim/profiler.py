@@ -475,35 +475,3 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         json.dump(result, f, indent=2)
     print(f"profile written to {args.output}")
     return result
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", nargs="?", help="local HF folder, .gguf, or built-in preset (default: SmolLM2)"
-    )
-    parser.add_argument("--output", required=True, help="where to write the profile JSON")
-    parser.add_argument(
-        "--pipeline-parallel-sizes",
-        default="1,2",
-        help="time every stage of each of these P (comma-separated; default %(default)s)",
-    )
-    parser.add_argument(
-        "--num-threads", type=int, default=1, help="torch threads per stage (default 1)"
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        help="context length (default: the model's); grid points beyond it are skipped",
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=2, help="timed runs per micro-batch (after a warm-up)"
-    )
-    parser.add_argument(
-        "--timing",
-        choices=("stream", "alone"),
-        default="stream",
-        help="stream: each grid point's copies go through the engine's own executor with its "
-        "in-flight depth, every stage busy, as in serving; alone: each stage timed alone and "
-        "with all P at once, which also measures concurrent_slowdown (default %(default)s)",
-    )
-    parser.set_defaults(func=profile)
