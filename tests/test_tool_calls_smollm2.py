@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    flags = ["--kv-cache-memory", str(64 * 2**20), "--max-model-len", "2048"]
+    flags = ["--kv-cache-memory", str(64 * 2**20), "--max-model-len", "1024"]
     process = ServerProcess(flags, tmp_path_factory.mktemp("log") / "log")
     with process:
         yield openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="-", max_retries=0)
@@ -33,7 +33,9 @@ def client(tmp_path_factory):
 )
 def test_forced_calls_validate(client, tool_choice):
     model = client.models.list().data[0].id
-    kwargs = dict(model=model, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice)
+    kwargs = dict(
+        model=model, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice, temperature=0
+    )
     reply = client.chat.completions.create(**kwargs, max_tokens=120)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
