@@ -172,7 +172,7 @@ def test_two_turn_agent_loop(client, checkpoint):
         max_tokens=200,
     )
     call_message = first.choices[0].message
-    messages.append(call_message.model_dump(exclude_none=True))
+    messages.append(call_message)  # as the SDK's docs do: the reply's message object itself
     for call in call_message.tool_calls:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"})
     final = client.chat.completions.create(
@@ -284,8 +284,17 @@ def test_bad_tool_requests_are_400s(client, checkpoint):
     assert body["param"] == "tool_choice" and "needs tools" in body["message"]
     body = error_of(client, checkpoint, tools=[{"type": "function"}])
     assert body["param"] == "tools" and "tools[0].function" in body["message"]
-    body = error_of(client, checkpoint, tools=TOOLS, tool_choice="sometimes")
-    assert body["param"] == "tool_choice"
+    for tool_choice in ("sometimes", 5, {"type": "function"}):
+        body = error_of(client, checkpoint, tools=TOOLS, tool_choice=tool_choice)
+        assert body["param"] == "tool_choice" and '"required"' in body["message"]
+    body = error_of(client, checkpoint, tools="get_weather")
+    assert body["param"] == "tools"
+    history = [*QUESTION, {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\[1\].tool_calls"):
+        client.chat.completions.create(model=str(checkpoint), messages=history, max_tokens=4)
+    history[1]["tool_calls"] = [{"function": {"name": "f", "arguments": "{oops"}}]
+    with pytest.raises(openai.BadRequestError, match="'f' are not JSON"):
+        client.chat.completions.create(model=str(checkpoint), messages=history, max_tokens=4)
     body = error_of(
         client,
         checkpoint,

@@ -124,6 +124,17 @@ def test_hermes_streamed_as_whole(text, piece):
         assert "".join(d.get("content", "") for d in deltas[:before]) == text[:before]
 
 
+def test_long_arguments_stream_token_by_token():
+    """A call writing a file: thousands of characters of escaped code in one argument,
+    rescanned at each of its tokens, arrive whole and in order."""
+    code = "def f(x):\n    return {'a': [x, \"}\"]}\n" * 150
+    arguments = json.dumps({"path": "f.py", "text": code})
+    text = f'<tool_call>\n{{"name": "write_file", "arguments": {arguments}}}\n</tool_call>'
+    content, calls, _ = streamed(HermesParser(), text, piece=3)
+    assert (content, calls) == ("", [{"name": "write_file", "arguments": arguments}])
+    assert json.loads(calls[0]["arguments"])["text"] == code
+
+
 def test_hermes_holds_back_a_partial_start_marker():
     stream = ToolCallStream(HermesParser(), max_calls=None)
     assert stream.feed("Checking <tool_", final=False) == {"content": "Checking "}

@@ -54,6 +54,8 @@ ENGINE_DEAD_EXIT_CODE = 1
 UNION_HINTS = {
     "prompt": "give text, a list of token ids, or a list holding one of those",
     "stop": "give a string or a list of strings",
+    "tool_choice": 'give "none", "auto", "required" or {"type": "function", "function": '
+    '{"name": NAME}}',
 }
 
 router = APIRouter()

@@ -10,10 +10,14 @@ complete object is checked by `json.loads` afterwards.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 _WHITESPACE = " \t\n\r"
 _SCALAR_CHARS = frozenset("-+.0123456789eEtruefalsn")  # numbers, true, false, null
+# A string's text and its closing quote (escapes skipped whole).
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET_OR_QUOTE = re.compile(r'[\[\]{}"]')
 
 
 class NotAnObject(ValueError):
@@ -81,16 +85,8 @@ def scan_object(text: str, start: int) -> ObjectPrefix:
 
 def _string_end(text: str, start: int) -> int | None:
     """Index after the string that opens at text[start] ('"'), or None if it is not closed."""
-    pos = start + 1
-    while pos < len(text):
-        char = text[pos]
-        if char == "\\":
-            pos += 2
-            continue
-        if char == '"':
-            return pos + 1
-        pos += 1
-    return None
+    closed = _STRING_REST.match(text, start + 1)
+    return None if closed is None else closed.end()
 
 
 def _value_end(text: str, start: int) -> int | None:
@@ -99,21 +95,20 @@ def _value_end(text: str, start: int) -> int | None:
     if char == '"':
         return _string_end(text, start)
     if char in "{[":
+        # Regex jumps between brackets and strings: a streamed call is rescanned as each
+        # token arrives, so arguments thousands of characters long must scan at C speed.
         depth, pos = 0, start
-        while pos < len(text):
-            char = text[pos]
-            if char == '"':
+        while (found := _BRACKET_OR_QUOTE.search(text, pos)) is not None:
+            pos = found.start()
+            if text[pos] == '"':
                 end = _string_end(text, pos)
                 if end is None:
                     return None
                 pos = end
                 continue
-            if char in "{[":
-                depth += 1
-            elif char in "}]":
-                depth -= 1
-                if depth == 0:
-                    return pos + 1
+            depth += 1 if text[pos] in "{[" else -1
+            if depth == 0:
+                return pos + 1
             pos += 1
         return None
     if char not in _SCALAR_CHARS:
