@@ -25,11 +25,7 @@ from pipellm.entrypoints.openai_protocol import (
 )
 from pipellm.entrypoints.server_limits import ServerLimits, prompt_chars_bound
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.entrypoints.tool_calls import (
-    plan_tool_calling,
-    template_messages,
-    tool_calls_finish_reason,
-)
+from pipellm.entrypoints.tool_calls import plan_tool_calling, template_messages
 from pipellm.protocol import EngineOutput, Logprobs
 from pipellm.sampling_params import SamplingParams
 from pipellm.text.tokenizer import Tokenizer
@@ -110,7 +106,8 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self._check_request(request)
-        tool_calling = plan_tool_calling(request, self.tool_call_parser)
+        # Off the event loop: checking the tools compiles their schemas into grammars.
+        tool_calling = await asyncio.to_thread(plan_tool_calling, request, self.tool_call_parser)
         try:
             text = self.tokenizer.apply_chat_template(
                 template_messages(request), tools=tool_calling.tools
@@ -141,15 +138,12 @@ class OpenAIServing:
 
             def delta(outs: list[EngineOutput], finished: EngineOutput | None) -> Chunk:
                 stream = streams[outs[0].index]
-                text = "".join(o.new_text for o in outs)
-                content = stream.feed(text, final=finished is not None)
+                new = stream.feed("".join(o.new_text for o in outs), final=finished is not None)
                 finish = _finish(finished)
-                finish["finish_reason"] = tool_calls_finish_reason(
-                    finish["finish_reason"], stream.has_calls
-                )
+                finish["finish_reason"] = stream.finish_reason(finish["finish_reason"])
                 return {
                     "index": outs[0].index,
-                    "delta": content,
+                    "delta": new,
                     "logprobs": logprobs(outs),
                     **finish,
                 }

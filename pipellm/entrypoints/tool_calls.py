@@ -24,7 +24,11 @@ from pipellm.entrypoints.openai_protocol import ChatCompletionRequest, OpenAIErr
 from pipellm.entrypoints.tool_parsers import TOOL_CALL_PARSERS
 from pipellm.entrypoints.tool_parsers.base import ToolCallParser
 from pipellm.entrypoints.tool_parsers.forced import CallListParser, NamedFunctionParser
-from pipellm.entrypoints.tool_parsers.streaming import ToolCallStream, call_json
+from pipellm.entrypoints.tool_parsers.streaming import (
+    ToolCallStream,
+    call_json,
+    tool_calls_finish_reason,
+)
 from pipellm.sampling_params import SamplingParams
 from pipellm.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
@@ -105,12 +109,6 @@ class ToolCalling:
         return message, tool_calls_finish_reason(finish_reason, has_calls=True)
 
 
-def tool_calls_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
-    # A reply that ended on its own after calls asks the client to run them; one cut by
-    # max_tokens keeps "length".
-    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
-
-
 def plan_tool_calling(request: ChatCompletionRequest, auto_parser: str | None) -> ToolCalling:
     """Checks the request's tools and tool_choice (400s naming the field) and says how the
     request uses them; auto_parser reads tool_choice "auto" (None: this model has no known
@@ -131,7 +129,8 @@ def plan_tool_calling(request: ChatCompletionRequest, auto_parser: str | None) -
     if choice in (None, "auto"):
         if auto_parser is None:
             raise OpenAIError(
-                'tool_choice "auto" needs the format this model writes tool calls in, and its '
+                'tool_choice "auto" (the default with tools) needs the format this model writes '
+                "tool calls in, and its "
                 "chat template names none pipellm knows: start the server with "
                 f"--tool-call-parser ({', '.join(TOOL_CALL_PARSERS)}), or send tool_choice "
                 '"required" or a named function, which need none',

@@ -10,6 +10,12 @@ from typing import Any
 from pipellm.entrypoints.tool_parsers.base import ParsedCall, ToolCallParser
 
 
+def tool_calls_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
+    # A reply that ended on its own after calls asks the client to run them; one cut by
+    # max_tokens keeps "length".
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"  # OpenAI's shape: "call_" and 24 characters
 
@@ -32,9 +38,8 @@ class ToolCallStream:
         self.sent_content = ""
         self.sent_arguments: list[str] = []  # per call sent: its arguments so far
 
-    @property
-    def has_calls(self) -> bool:
-        return bool(self.sent_arguments)
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return tool_calls_finish_reason(finish_reason, has_calls=bool(self.sent_arguments))
 
     def feed(self, new_text: str, final: bool) -> dict[str, Any]:
         """The delta of a chunk, for `new_text` (final: the output has ended)."""
