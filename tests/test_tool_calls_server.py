@@ -161,6 +161,42 @@ def test_named_function_returns_its_call(client, checkpoint):
     assert (content, finish) == ("", "tool_calls")
 
 
+SCRIPTED_CALL = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Lima", "unit": "C"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    ("script", "content", "calls"),
+    [
+        (SCRIPTED_CALL, "Let me check.\n", [("get_weather", '{"city": "Lima", "unit": "C"}')]),
+        ("<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
+    ],
+    ids=["call", "malformed"],
+)
+def test_auto_reads_the_models_calls(client, checkpoint, script, content, calls):
+    """tool_choice "auto" parses what the model writes, here scripted by a one-choice
+    constraint (the random model would write no call): content before the call streams as
+    text, then the call; malformed JSON comes back as content."""
+    kwargs = dict(
+        model=str(checkpoint),
+        messages=QUESTION,
+        tools=TOOLS,
+        max_tokens=100,
+        extra_body={"structured_outputs": {"choice": [script]}},
+    )
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    got = [(c.function.name, c.function.arguments) for c in reply.message.tool_calls or []]
+    assert (reply.message.content, got) == (content, calls)
+    assert reply.finish_reason == ("tool_calls" if calls else "stop")
+    streamed, streamed_content, finish = streamed_calls(
+        client.chat.completions.create(**kwargs, stream=True)
+    )
+    assert [(c["name"], c["arguments"]) for c in streamed] == calls
+    assert (streamed_content, finish) == (content, reply.finish_reason)
+
+
 def test_two_turn_agent_loop(client, checkpoint):
     """Call, tool result, final answer, as the openai SDK's tool loop sends them."""
     messages = list(QUESTION)
