@@ -30,7 +30,7 @@ class HermesParser(ToolCallParser):
             call = _block_call(text, start + len(START), close)
             if call is None or (call.name is None and (final or close != -1)):
                 content.append(text[start:block_end])  # not a call: the model's text as written
-            elif call.name is not None or not final:
+            else:  # a call, or one whose name is still being written
                 calls.append(call)
             if close == -1:
                 return ParsedOutput("".join(content), calls)
@@ -38,8 +38,6 @@ class HermesParser(ToolCallParser):
         tail = text[pos:]
         if not final:  # "<tool_" may be the start of a call
             tail = tail[: len(tail) - partial_marker_len(tail, START)]
-            if calls and tail.isspace():
-                tail = ""  # whitespace after a call shows only if text follows it
         _add_content(content, tail, after_call=bool(calls))
         return ParsedOutput("".join(content), calls)
 
