@@ -57,6 +57,7 @@ def _serve(args: argparse.Namespace) -> None:
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from pipellm.entrypoints.engine_args import add_engine_args
     from pipellm.entrypoints.server_limits import add_limit_args
+    from pipellm.entrypoints.tool_parsers import add_tool_call_args
 
     serve = sub.add_parser(
         "serve",
@@ -80,6 +81,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PIPELLM_API_KEY)",
     )
     add_limit_args(serve)
+    add_tool_call_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -284,6 +284,10 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tool calling: kept as sent (the chat template renders them), checked by tool_calls.py.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

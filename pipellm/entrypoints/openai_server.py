@@ -40,6 +40,7 @@ from pipellm.entrypoints.openai_protocol import (
 from pipellm.entrypoints.openai_serving import OpenAIServing, one_line
 from pipellm.entrypoints.server_limits import BodyLimits, ServerLimits, header_timeout_protocol
 from pipellm.entrypoints.server_metrics import ServerMetrics
+from pipellm.entrypoints.tool_parsers import resolve_tool_call_parser
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ ENGINE_DEAD_EXIT_CODE = 1
 UNION_HINTS = {
     "prompt": "give text, a list of token ids, or a list holding one of those",
     "stop": "give a string or a list of strings",
+    "tool_choice": 'give "none", "auto", "required" or {"type": "function", "function": '
+    '{"name": NAME}}',
 }
 
 router = APIRouter()
@@ -130,16 +133,20 @@ def build_app(
     api_key: str | None,
     limits: ServerLimits,
     on_engine_dead: Callable[[], None] = lambda: None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app; its lifespan connects to `core`, which must be ready. on_engine_dead
-    runs (on the event loop) once the engine core has died."""
+    runs (on the event loop) once the engine core has died; tool_call_parser reads
+    tool_choice "auto" (None: refused)."""
     server_metrics = ServerMetrics(config.model_name, config.pipeline_parallel_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncEngineClient(core, on_dead=on_engine_dead)
         app.state.client = client
-        app.state.serving = OpenAIServing(client, config, tokenizer, server_metrics, limits)
+        app.state.serving = OpenAIServing(
+            client, config, tokenizer, server_metrics, limits, tool_call_parser
+        )
         yield
         client.close()
 
@@ -215,6 +222,8 @@ def run_server(args: argparse.Namespace) -> int:
     core = CoreProcess(config)
     try:
         tokenizer = load_tokenizer(config.tokenizer_source)
+        tool_call_parser = resolve_tool_call_parser(args.tool_call_parser, tokenizer.chat_template)
+        logger.info("tool calls: %s format", tool_call_parser or "no known")
         core.wait_ready()
         logger.info("engine core ready (pid %d)", core.pid)
         host, port = sock.getsockname()[:2]
@@ -234,7 +243,15 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("the engine core is dead: stopping the server (exit code %d)", 1)
             server.should_exit = True
 
-        app = build_app(core, config, tokenizer, api_key, limits, on_engine_dead=stop_serving)
+        app = build_app(
+            core,
+            config,
+            tokenizer,
+            api_key,
+            limits,
+            on_engine_dead=stop_serving,
+            tool_call_parser=tool_call_parser,
+        )
         uvicorn_config = uvicorn.Config(
             app,
             log_config=None,

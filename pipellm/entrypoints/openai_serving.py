@@ -25,6 +25,7 @@ from pipellm.entrypoints.openai_protocol import (
 )
 from pipellm.entrypoints.server_limits import ServerLimits, prompt_chars_bound
 from pipellm.entrypoints.server_metrics import ServerMetrics
+from pipellm.entrypoints.tool_calls import plan_tool_calling, template_messages
 from pipellm.protocol import EngineOutput, Logprobs, one_line
 from pipellm.sampling_params import SamplingParams
 from pipellm.text.tokenizer import Tokenizer
@@ -42,8 +43,10 @@ class OpenAIServing:
         tokenizer: Tokenizer,
         metrics: ServerMetrics,
         limits: ServerLimits,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.client = client
+        self.tool_call_parser = tool_call_parser  # how tool_choice "auto" reads replies
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -103,19 +106,25 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self._check_request(request)
+        # Off the event loop: checking the tools compiles their schemas into grammars.
+        tool_calling = await asyncio.to_thread(plan_tool_calling, request, self.tool_call_parser)
         try:
-            text = self.tokenizer.apply_chat_template(request.template_messages())
+            text = self.tokenizer.apply_chat_template(
+                template_messages(request), tools=tool_calling.tools
+            )
         except (ValueError, TypeError) as error:  # the template could not render these messages
             raise OpenAIError(
                 f"cannot apply the chat template: {error}", param="messages"
             ) from error
         prompt_ids = await self._encode(text, "messages", add_special_tokens=False)
-        params = self._sampling_params(
-            request,
-            prompt_ids,
-            request.requested_max_tokens,
-            request.num_logprobs,
-            request.prompt_logprobs,
+        params = tool_calling.constrain(
+            self._sampling_params(
+                request,
+                prompt_ids,
+                request.requested_max_tokens,
+                request.num_logprobs,
+                request.prompt_logprobs,
+            )
         )
         object = "chat.completion.chunk" if request.stream else "chat.completion"
         reply = _Reply("chatcmpl", object, self.model_name, len(prompt_ids))
@@ -125,13 +134,18 @@ class OpenAIServing:
             return self._chat_logprobs(outs) if params.logprobs is not None else None
 
         if request.stream:
+            streams = [tool_calling.stream() for _ in range(params.n)]
 
             def delta(outs: list[EngineOutput], finished: EngineOutput | None) -> Chunk:
+                stream = streams[outs[0].index]
+                new = stream.feed("".join(o.new_text for o in outs), final=finished is not None)
+                finish = _finish(finished)
+                finish["finish_reason"] = stream.finish_reason(finish["finish_reason"])
                 return {
                     "index": outs[0].index,
-                    "delta": {"content": "".join(o.new_text for o in outs)},
+                    "delta": new,
                     "logprobs": logprobs(outs),
-                    **_finish(finished),
+                    **finish,
                 }
 
             roles = [
@@ -142,12 +156,15 @@ class OpenAIServing:
         outs = await _unless_disconnected(raw, _collect(outputs))
 
         def choice(sample: list[EngineOutput]) -> Chunk:
-            message = {"role": "assistant", "content": "".join(o.new_text for o in sample)}
+            finish = _finish(sample[-1])
+            message, finish["finish_reason"] = tool_calling.message(
+                "".join(o.new_text for o in sample), finish["finish_reason"]
+            )
             return {
                 "index": sample[0].index,
                 "message": message,
                 "logprobs": logprobs(sample),
-                **_finish(sample[-1]),
+                **finish,
             }
 
         choices = [choice(sample) for sample in _by_sample(outs, params.n)]

@@ -70,9 +70,13 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` with the model's Jinja chat template, as transformers does."""
+        """Render `messages` (and the functions the model may call, `tools`, in OpenAI's
+        format) with the model's Jinja chat template, as transformers does."""
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template (neither tokenizer_config.json's "
@@ -82,6 +86,7 @@ class Tokenizer:
         try:
             return _compile_template(self.chat_template).render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._token_text(self.bos_token_id),
                 eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
