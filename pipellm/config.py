@@ -48,7 +48,7 @@ def _fail(name: str, value: object, fix: str) -> None:
 class EngineConfig:
     model: str | None = None  # local HF dir, .gguf file or built-in preset; None = built-in
     tokenizer: str | None = None
-    dtype: str = "auto"  # auto = float32 on CPU (bf16 is slower without AMX), bfloat16 on GPU
+    dtype: str = "auto"  # auto = float32, what the CPU kernels compute in
     load_format: str = "auto"
     # gguf: linear layers compute on a GGUF file's Q4_1/Q8_0 weights as stored (exactly the
     # same results, a 5x smaller weight stream); none: dequantize every weight to `dtype`.

@@ -16,7 +16,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--tokenizer", help="tokenizer source if not the model's own")
     g.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16"
+        "--dtype", default="auto", help="auto (float32, the CPU kernels' type), float32, bfloat16"
     )
     g.add_argument(
         "--load-format",

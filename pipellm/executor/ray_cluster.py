@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipellm.config import DEVICE, EngineConfig
+from pipellm.config import EngineConfig
 
 PLACEMENT_TIMEOUT_S = 60.0  # a cluster busy with other jobs may free resources meanwhile
 REAP_GRACE_S = 3.0  # how long Ray's own shutdown gets before survivors are killed
@@ -103,11 +103,8 @@ def disconnect(connection: RayConnection) -> None:
 
 
 def stage_bundle(config: EngineConfig) -> dict[str, float]:
-    """What one stage reserves: its threads' CPUs (1 unless --num-threads), and a GPU on CUDA."""
-    bundle = {"CPU": float(config.num_threads or 1)}
-    if DEVICE == "cuda":
-        bundle["GPU"] = 1.0
-    return bundle
+    """What one stage reserves: its threads' CPUs (1 unless --num-threads)."""
+    return {"CPU": float(config.num_threads or 1)}
 
 
 def place_stages(num_stages: int, bundle: dict[str, float], strategy: str = "PACK") -> Any:

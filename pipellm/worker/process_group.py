@@ -14,7 +14,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from pipellm.config import DEVICE
 from pipellm.worker.net import LOOPBACK, interface_of
 
 STORE_TIMEOUT = timedelta(seconds=300)  # how long a stage waits for the others to join
@@ -57,6 +56,5 @@ def join_pipeline_group(
         store = dist.TCPStore(
             rendezvous.host, rendezvous.port, world_size, is_master=False, timeout=STORE_TIMEOUT
         )
-    backend = "nccl" if DEVICE == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     return store, listener
