@@ -178,16 +178,21 @@ def strings_of(kind: str, strings: list[str]) -> list[str]:
 _NUM_FIXED = len(_WORDS) + len(_CODE) + len(_WHITESPACE) + len(_SPECIAL)
 
 
-def write_byte_level_gguf(path: Path, pre: str) -> Path:
-    """SmolLM2's byte-level vocabulary, merges and token types under pre-tokenizer `pre`.
+def write_byte_level_gguf(
+    path: Path, pre: str, model: str = "gpt2", chat_template: str | None = None
+) -> Path:
+    """SmolLM2's byte-level vocabulary, merges and token types under pre-tokenizer `pre`
+    (and tokenizer kind `model`, for refusals).
 
     BOS and EOS are SmolLM2's; add_bos_token is left out so that llama.cpp's default for
     `pre` applies (true for llama-bpe and tekken).
     """
     reader = open_gguf(resolve_model(None).path)
     writer = _writer(path)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     writer.add_token_list(gguf_value(reader, "tokenizer.ggml.tokens"))
     writer.add_token_types(gguf_value(reader, "tokenizer.ggml.token_type"))
     writer.add_token_merges(gguf_value(reader, "tokenizer.ggml.merges"))

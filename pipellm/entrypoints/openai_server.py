@@ -41,6 +41,7 @@ from pipellm.entrypoints.openai_serving import OpenAIServing, one_line
 from pipellm.entrypoints.server_limits import BodyLimits, ServerLimits, header_timeout_protocol
 from pipellm.entrypoints.server_metrics import ServerMetrics
 from pipellm.loader.source import resolve_model
+from pipellm.text.chat_template import read_chat_template
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ def run_server(args: argparse.Namespace) -> int:
     process exits non-zero for systemd or Kubernetes to restart it, as vLLM's API server does.
     """
     config = engine_config_from_args(args)  # a bad setting fails here, before any process
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     limits = ServerLimits.from_args(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = _listen(args.host, args.port)
@@ -217,6 +219,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else config.source
         tokenizer = load_tokenizer(tokenizer_source)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         core.wait_ready()
         logger.info("engine core ready (pid %d)", core.pid)
         host, port = sock.getsockname()[:2]
