@@ -26,7 +26,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from pipellm.loader.gguf_file import GGUFFile, gguf_value, open_gguf
-from pipellm.text.gguf_pretokenizers import RULES, PreTokenizerRule, supported_names
+from pipellm.text.gguf_pretokenizers import GPT2, RULES, PreTokenizerRule, supported_names
 from pipellm.text.tokenizer import Tokenizer
 
 _MODEL_KEY = "tokenizer.ggml.model"
@@ -188,11 +188,26 @@ def _byte_level_bpe(
             ignore_merges=rule.ignore_merges,
         )
     )
-    splits = [pre_tokenizers.Split(Regex(regex), "isolated") for regex in rule.regexes]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(_pre_tokenizer_steps(rule.regexes))
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _pre_tokenizer_steps(regexes: tuple[str, ...]) -> list[pre_tokenizers.PreTokenizer]:
+    """The rule's splits, then the byte-level mapping. Two common steps use the equivalent
+    built-ins, which run without the regex engine and encode SmolLM2's prompts ~10% faster:
+    single digits (Digits splits at Unicode numerics, as \\p{N}) and GPT-2's split
+    (ByteLevel's own regex is GPT-2's with a final "|\\s+", which only names a piece the split
+    isolates anyway)."""
+    steps: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.Digits(individual_digits=True)
+        if regex == r"\p{N}"
+        else pre_tokenizers.Split(Regex(regex), "isolated")
+        for regex in regexes
+    ]
+    if regexes[-1] == GPT2:
+        return [*steps[:-1], pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    return [*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
 
 
 def _added(
