@@ -20,6 +20,7 @@ from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type
 from pipellm.model.stage_spec import StageSpec, stage_specs
 from pipellm.model.tp_plan import TensorParallelError, plan_tensor_parallel
+from pipellm.text.gguf_tokenizer import UnsupportedTokenizerError, check_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +173,20 @@ class EngineConfig:
             _fail(
                 "load_format", self.load_format, f"{self.source.path} is {kinds[self.source.kind]}"
             )
+        self._check_tokenizer()
         self.model_config = load_model_config(self.source)
         self._resolve_quantization()
         self._apply_sim_profile()
         self._check_against_model()
+
+    def _check_tokenizer(self) -> None:
+        """A GGUF tokenizer pipellm cannot rebuild fails here, before any process starts."""
+        source = resolve_model(self.tokenizer) if self.tokenizer else self.source
+        if source.kind == "gguf":
+            try:
+                check_gguf_tokenizer(source.path)
+            except UnsupportedTokenizerError as error:
+                raise ConfigError(str(error)) from None
 
     def _resolve_quantization(self) -> None:
         """Turns auto into gguf or none; gguf needs GGUF weights and float32 compute."""

@@ -100,12 +100,14 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
+        """Applies the chat template to one conversation or a list of them: `chat_template`
+        (the template's text, as vLLM's LLM.chat takes it) or else the model's own."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
+                self.tokenizer.apply_chat_template(c, True, chat_template),
                 add_special_tokens=False,
             )
             for c in conversations

@@ -100,7 +100,8 @@ def test_chat_template_errors(tmp_path: Path, tiny_dir: Path) -> None:
 
 def test_smollm2_special_tokens_and_ids(smollm2: Tokenizer) -> None:
     assert smollm2.vocab_size == 49152
-    assert (smollm2.bos_token_id, smollm2.eos_token_ids) == (1, (2,))
+    # <|im_end|> is EOS; <|endoftext|> ends generation too, as in llama.cpp.
+    assert (smollm2.bos_token_id, smollm2.eos_token_ids) == (1, (2, 0))
     assert smollm2.encode("<|im_start|>") == [1]
     assert smollm2.encode("<|im_end|>") == [2]
     assert smollm2.encode("<|endoftext|>") == [0]

@@ -15,20 +15,31 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+CHAT_TEMPLATE_HELP = (
+    "Jinja chat template file (or the template itself) for chats: replaces the model's own, "
+    "or gives one to a model without (as a base model's GGUF)"
+)
+
+
 def _generate(args: argparse.Namespace) -> None:
     import time
 
     from pipellm.entrypoints.engine_args import engine_config_from_args
     from pipellm.llm import LLM
     from pipellm.sampling_params import SamplingParams
+    from pipellm.text.chat_template import read_chat_template
 
+    if args.chat_template and not args.chat:
+        raise ValueError("--chat-template applies to chats: add --chat")
     config = engine_config_from_args(args)
+    template = read_chat_template(args.chat_template) if args.chat_template else None
     llm = LLM.from_config(config)
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         started = time.perf_counter()
         if args.chat:
-            outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params)
+            messages = [{"role": "user", "content": p} for p in args.prompt]
+            outputs = llm.chat(messages, params, chat_template=template)
         else:
             outputs = llm.generate(args.prompt, params)
         elapsed = time.perf_counter() - started
@@ -76,6 +87,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--served-model-name", help="model id in the API (default: the MODEL argument)"
     )
+    server.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
     server.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PIPELLM_API_KEY)",
@@ -156,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("model", nargs="?", help="local HF folder, .gguf, or built-in preset")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
+    gen.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     add_engine_args(gen)

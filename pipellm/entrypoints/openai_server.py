@@ -41,6 +41,7 @@ from pipellm.entrypoints.openai_serving import OpenAIServing, one_line
 from pipellm.entrypoints.server_limits import BodyLimits, ServerLimits, header_timeout_protocol
 from pipellm.entrypoints.server_metrics import ServerMetrics
 from pipellm.entrypoints.tool_parsers import resolve_tool_call_parser
+from pipellm.text.chat_template import read_chat_template
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ def run_server(args: argparse.Namespace) -> int:
     process exits non-zero for systemd or Kubernetes to restart it, as vLLM's API server does.
     """
     config = engine_config_from_args(args)  # a bad setting fails here, before any process
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
     limits = ServerLimits.from_args(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = _listen(args.host, args.port)
@@ -222,6 +224,8 @@ def run_server(args: argparse.Namespace) -> int:
     core = CoreProcess(config)
     try:
         tokenizer = load_tokenizer(config.tokenizer_source)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         tool_call_parser = resolve_tool_call_parser(args.tool_call_parser, tokenizer.chat_template)
         logger.info("tool calls: %s format", tool_call_parser or "no known")
         core.wait_ready()

@@ -106,6 +106,13 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self._check_request(request)
+        if self.tokenizer.chat_template is None:
+            # As vLLM answers: the model (e.g. a base model's GGUF) brought no template.
+            raise OpenAIError(
+                "this model has no chat template: start the server with --chat-template FILE "
+                "(a Jinja chat template), or send a plain prompt to /v1/completions",
+                param="messages",
+            )
         # Off the event loop: checking the tools compiles their schemas into grammars.
         tool_calling = await asyncio.to_thread(plan_tool_calling, request, self.tool_call_parser)
         try:

@@ -5,22 +5,17 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import gguf
-import jinja2
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from pipellm.loader.gguf_file import gguf_eos_token_ids, gguf_value, open_gguf
 from pipellm.loader.source import ModelSource
-
-# llama.cpp's `tokenizer.ggml.pre` names whose Hugging Face tokenizers split every digit apart
-# before the GPT-2 byte-level regex (llama.cpp: LLAMA_VOCAB_PRE_TYPE_SMOLLM and kin).
-_GGUF_PRE_SPLITS_DIGITS = {"gpt-2": False, "smollm": True}
+from pipellm.text.chat_template import (
+    HOW_TO_GIVE_A_TEMPLATE,
+    NoChatTemplateError,
+    render_chat_template,
+)
 
 
 class Tokenizer:
@@ -53,8 +48,8 @@ class Tokenizer:
         """
         check_unicode(text)
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        # GGUF files state add_bos_token instead of a post-processor that adds it; in Hugging
-        # Face folders tokenizer.json's post-processor has usually added it already.
+        # tokenizer_config.json may ask for a BOS that tokenizer.json's post-processor does not
+        # add (usually it has added it already). GGUF tokenizers add theirs in the backend.
         wants_bos = add_special_tokens and self.add_bos_token and self.bos_token_id is not None
         if wants_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
@@ -74,25 +69,25 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> str:
         """Render `messages` (and the functions the model may call, `tools`, in OpenAI's
-        format) with the model's Jinja chat template, as transformers does."""
-        if self.chat_template is None:
-            raise ValueError(
+        format) with `chat_template`, else the model's own template, as transformers does."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise NoChatTemplateError(
                 "this model has no chat template (neither tokenizer_config.json's "
                 "'chat_template', chat_template.jinja, nor GGUF 'tokenizer.chat_template'): "
-                "use the completions API with a plain prompt instead"
+                + HOW_TO_GIVE_A_TEMPLATE
             )
-        try:
-            return _compile_template(self.chat_template).render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_text(self.bos_token_id),
-                eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
-            )
-        except jinja2.TemplateError as error:
-            raise ValueError(f"the chat template rejected the messages: {error}") from error
+        return render_chat_template(
+            template,
+            messages,
+            add_generation_prompt,
+            bos_token=self._token_text(self.bos_token_id),
+            eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            tools=tools,
+        )
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id)
@@ -111,33 +106,14 @@ def check_unicode(text: str) -> None:
         ) from None
 
 
-@functools.cache
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the environment transformers gives templates."""
-    # Templates are data from the checkpoint: a sandbox keeps them from reaching Python.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3 templates
-    return env.from_string(source)
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # jinja2's own tojson escapes HTML characters; transformers' keeps text as written.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
 def load_tokenizer(source: ModelSource) -> Tokenizer:
     """The tokenizer of `source`: tokenizer.json for folders, rebuilt from metadata for GGUF."""
     if source.kind == "hf":
         return _load_hf(source.path)
-    return _load_gguf(source.path)
+    # NOTE: imported here: the GGUF rebuild builds on Tokenizer, defined above.
+    from pipellm.text.gguf_tokenizer import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(source.path)
 
 
 def _load_hf(folder: Path) -> Tokenizer:
@@ -171,50 +147,3 @@ def _named_template(template: str | list[dict[str, str]] | None) -> str | None:
     if isinstance(template, list):
         return next((t["template"] for t in template if t["name"] == "default"), None)
     return template
-
-
-def _load_gguf(path: Path) -> Tokenizer:
-    reader = open_gguf(path)
-    model = gguf_value(reader, "tokenizer.ggml.model")
-    pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
-    if model != "gpt2" or pre not in _GGUF_PRE_SPLITS_DIGITS:
-        raise ValueError(
-            f"{path}: the GGUF tokenizer (model {model!r}, pre-tokenizer {pre!r}) is not "
-            "supported; pipellm rebuilds byte-level BPE tokenizers (model 'gpt2', pre-tokenizer "
-            f"one of {', '.join(_GGUF_PRE_SPLITS_DIGITS)}). Use the model's Hugging Face "
-            "directory instead."
-        )
-    tokens = gguf_value(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(merge.split(" ", 1)) for merge in gguf_value(reader, "tokenizer.ggml.merges")]
-    backend = tokenizers.Tokenizer(
-        models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges)
-    )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if _GGUF_PRE_SPLITS_DIGITS[pre]:
-        digits = pre_tokenizers.Digits(individual_digits=True)
-        backend.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-    else:
-        backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, ...) must match whole, never pass through BPE, and be
-    # skippable on decode; user-defined tokens match whole but are ordinary text.
-    token_types = gguf_value(reader, "tokenizer.ggml.token_type")
-    backend.add_special_tokens(_added_tokens(tokens, token_types, gguf.TokenType.CONTROL, True))
-    backend.add_tokens(_added_tokens(tokens, token_types, gguf.TokenType.USER_DEFINED, False))
-    return Tokenizer(
-        backend,
-        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_ids=gguf_eos_token_ids(reader),
-        chat_template=gguf_value(reader, "tokenizer.chat_template", None),
-        add_bos_token=gguf_value(reader, "tokenizer.ggml.add_bos_token", False),
-    )
-
-
-def _added_tokens(
-    tokens: list[str], token_types: list[int], kind: gguf.TokenType, special: bool
-) -> list[AddedToken]:
-    return [
-        AddedToken(token, special=special, normalized=False)
-        for token, token_type in zip(tokens, token_types, strict=True)
-        if token_type == kind
-    ]
