@@ -65,6 +65,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # Fair admission (pipellm/engine/scheduler.py): while a short prompt waits, a prompt with
+    # more tokens left than the threshold takes at most that many per micro-batch, and at most
+    # max_num_partial_prefills such prompts get a chunk. 0: the budget / (partial prefills + 1).
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes of KV cache over all stages (CPU)
@@ -155,6 +160,16 @@ class EngineConfig:
                 )
         if self.max_cudagraph_capture_size is not None and DEVICE != "cuda":
             logger.warning("max_cudagraph_capture_size has no effect on CPU; ignored")
+        if not isinstance(self.long_prefill_token_threshold, int) or (
+            self.long_prefill_token_threshold < 0
+        ):
+            _fail(
+                "long_prefill_token_threshold",
+                self.long_prefill_token_threshold,
+                "use a positive integer, or 0 for half the micro-batch's token budget",
+            )
+        if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 1:
+            _fail("max_num_partial_prefills", self.max_num_partial_prefills, "use an integer >= 1")
         if self.pp_chunk_sizing not in ("fixed", "cost"):
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
         if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
