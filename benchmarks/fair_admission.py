@@ -1,9 +1,9 @@
-"""Time to first token of a short request sent while a long prompt prefills, with fair
-admission on (the default) and off (a threshold no prompt reaches), side by side.
+"""Time to first token of a short request sent while a long prompt prefills, with the defaults
+and with --long-prefill-token-threshold set, side by side.
 
 For each pipeline size, `pipellm serve` runs once per configuration; a request with a
 LONG-token prompt and max_tokens 1 is sent, then after --delay seconds a streamed request with
-a SHORT-token prompt. Prints each TTFT, the long request's time, and the ratio off / on.
+a SHORT-token prompt. Prints each TTFT and the long request's time.
 
     python benchmarks/fair_admission.py --pp 1 2
 """
@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 
 from pipellm.bench.server_process import ServerProcess
-
-OFF = ["--long-prefill-token-threshold", "1000000000"]  # no prompt is that long: never capped
 
 
 def post(port: int, body: dict) -> tuple[float, float]:
@@ -68,16 +66,22 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=8000, help="long prompt's tokens")
     parser.add_argument("--short", type=int, default=5, help="short prompt's tokens")
     parser.add_argument("--delay", type=float, default=3.0, help="seconds between the two")
+    parser.add_argument(
+        "--thresholds",
+        type=int,
+        nargs="+",
+        default=[0, 512],
+        help="--long-prefill-token-threshold values to compare (0: the default, no cap)",
+    )
     args = parser.parse_args()
     model = [args.model] if args.model else []
-    print("pp  fair admission  short TTFT s  long request s")
+    print("pp  threshold  short TTFT s  long request s")
     for pp in args.pp:
-        on = measure(model, pp, [], args)
-        off = measure(model, pp, OFF, args)
-        for name, result in (("on", on), ("off", off)):
-            print(f"{pp:<3} {name:<15} {result['short_ttft_s']:<13.2f} {result['long_s']:.2f}")
-        ratio = off["short_ttft_s"] / on["short_ttft_s"]
-        print(f"pp {pp}: short TTFT off / on = {ratio:.1f}x")
+        for threshold in args.thresholds:
+            flags = ["--long-prefill-token-threshold", str(threshold)]
+            result = measure(model, pp, flags, args)
+            ttft, long_s = result["short_ttft_s"], result["long_s"]
+            print(f"{pp:<3} {threshold:<10} {ttft:<13.2f} {long_s:.2f}", flush=True)
 
 
 if __name__ == "__main__":

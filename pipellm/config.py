@@ -65,9 +65,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    # Fair admission (pipellm/engine/scheduler.py): while a short prompt waits, a prompt with
-    # more tokens left than the threshold takes at most that many per micro-batch, and at most
-    # max_num_partial_prefills such prompts get a chunk. 0: the budget / (partial prefills + 1).
+    # Fair admission (pipellm/engine/scheduler.py): while a short prompt waits, at most
+    # max_num_partial_prefills long prompts get a chunk, each at most the micro-batch's budget /
+    # (max_num_partial_prefills + 1); long_prefill_token_threshold caps every chunk (0: off).
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     enable_prefix_caching: bool = True
@@ -166,7 +166,7 @@ class EngineConfig:
             _fail(
                 "long_prefill_token_threshold",
                 self.long_prefill_token_threshold,
-                "use a positive integer, or 0 for half the micro-batch's token budget",
+                "use a positive integer, or 0 for no cap",
             )
         if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 1:
             _fail("max_num_partial_prefills", self.max_num_partial_prefills, "use an integer >= 1")

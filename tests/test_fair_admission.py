@@ -1,6 +1,6 @@
 """Fair admission: a short request arriving while a long prompt prefills is admitted in the
-next micro-batch, at one and two pipeline stages; long prompts are capped only while a short
-one waits."""
+next micro-batch, at one and two pipeline stages; long prompts are held to a fair share only
+while a short one waits, and to --long-prefill-token-threshold always."""
 
 from collections import deque
 
@@ -20,7 +20,7 @@ def test_a_short_request_joins_the_next_step_of_a_long_prefill():
     scheduler.update_from_output(first, fake_output(first))
     add(scheduler, "short", prompt_len=5, max_tokens=3)
     second = scheduler.schedule()
-    # Half the budget (the default threshold) for the long prompt, the short one admitted.
+    # Half the budget (the fair share) for the long prompt, the short one admitted.
     assert tokens_of(second) == {"long": 16, "short": 5}
     scheduler.update_from_output(second, fake_output(second))
     finished_first = []
@@ -70,6 +70,14 @@ def test_more_partial_prefills_and_a_set_threshold():
     add(scheduler, "long-b", prompt_len=300, max_tokens=1)
     add(scheduler, "short", prompt_len=5, max_tokens=1)
     assert tokens_of(scheduler.schedule()) == {"long-a": 8, "long-b": 8, "short": 5}
+
+
+def test_the_threshold_caps_every_chunk_even_with_nothing_waiting():
+    """vLLM's meaning: a request arriving mid-step then waits for a step of at most this."""
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=32)
+    scheduler.config.long_prefill_token_threshold = 12
+    add(scheduler, "long", prompt_len=300, max_tokens=1)
+    assert tokens_of(scheduler.schedule()) == {"long": 12}
 
 
 def test_long_prompts_alone_keep_the_whole_budget():

@@ -13,10 +13,12 @@ parallelism). With it off, a request is in at most one in-flight micro-batch, as
 Fair admission: a long prompt would otherwise take every micro-batch's whole token budget
 until its prefill ends, and a short request arriving meanwhile would wait all that time. While
 a short prompt waits (to be admitted, or with its own prompt tokens left), a prompt with more
-than `long_prefill_token_threshold` tokens left is a long one: it takes at most that many tokens
-per micro-batch, and at most `max_num_partial_prefills` long prompts get a chunk, so the rest
-of the budget goes to the short ones (a long waiting request then lets short ones behind it go
-first). vLLM's flags of these names bound long prefills the same way.
+tokens left than the fair share (the micro-batch's budget / (max_num_partial_prefills + 1)) is
+a long one: it takes at most the fair share, and at most `max_num_partial_prefills` long
+prompts get a chunk, so the rest of the budget goes to the short ones (a long waiting request
+then lets short ones behind it go first). `long_prefill_token_threshold` (0: off), as vLLM's
+flag of that name, caps every prompt's chunk at all times, which bounds how long a request
+arriving mid-step waits for that step; the fair share never exceeds it.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class SchedulerConfig:
     # A prompt's next chunk may enter a micro-batch while its earlier chunks are in flight.
     enable_chunked_pipeline: bool = True
     chunk_cost: ChunkCostModel | None = None  # cost-balanced chunk sizes; None: fixed sizes
-    # Fair admission (module docstring). 0: the micro-batch's token budget divided by
-    # max_num_partial_prefills + 1, so the short requests waiting get at least that share.
+    # Fair admission (module docstring): a cap on any prompt's chunk (0: none), and how many
+    # long prompts get a chunk while a short one waits.
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
 
@@ -243,11 +245,11 @@ class Scheduler:
             return num_new
         return 0
 
-    def _long_prefill_threshold(self, budget: float) -> int:
+    def _fair_share(self, budget: float) -> int:
+        """What a long prompt may take of a micro-batch while a short one waits."""
         cfg = self.config
-        if cfg.long_prefill_token_threshold > 0:
-            return cfg.long_prefill_token_threshold
-        return max(1, int(budget) // (cfg.max_num_partial_prefills + 1))
+        share = max(1, int(budget) // (cfg.max_num_partial_prefills + 1))
+        return min(share, cfg.long_prefill_token_threshold or share)
 
     def _short_prompt_waits(self, threshold: int) -> bool:
         """Whether a prompt of at most `threshold` tokens left waits for budget: a waiting
@@ -263,12 +265,13 @@ class Scheduler:
         budget = self._token_budget()
         chunks: list[tuple[Request, int, bool]] = []  # (request, tokens, is_new)
         # Fair admission: while a short prompt waits, long prompts get a capped share.
-        threshold = self._long_prefill_threshold(budget)
-        bound_long = cfg.enable_chunked_prefill and self._short_prompt_waits(threshold)
-        long_slots = cfg.max_num_partial_prefills
+        fair_share = self._fair_share(budget)
+        bound_long = cfg.enable_chunked_prefill and self._short_prompt_waits(fair_share)
+        cap = fair_share if bound_long else cfg.long_prefill_token_threshold
+        long_slots = cfg.max_num_partial_prefills if bound_long else len(self.requests)
 
         def is_long(request: Request) -> bool:
-            return bound_long and request.num_tokens - request.num_computed_tokens > threshold
+            return 0 < cap < request.num_tokens - request.num_computed_tokens
 
         # Decodes first (one token each, latency-bound), then unfinished prompt chunks.
         ready = self._ready_running()
@@ -284,7 +287,7 @@ class Scheduler:
                 if long_slots == 0:
                     continue
                 long_slots -= 1
-                share = min(budget, threshold)
+                share = min(budget, cap)
             num_new = self._take(prefix, request.num_tokens - prefix, share, not chunks)
             if num_new == 0:
                 continue
@@ -314,7 +317,7 @@ class Scheduler:
             num_cached_tokens = len(cached) * self.block_manager.block_size
             share = budget
             if is_long(request):
-                share = min(budget, threshold)
+                share = min(budget, cap)
             num_new = self._take(
                 num_cached_tokens, request.num_tokens - num_cached_tokens, share, not chunks
             )

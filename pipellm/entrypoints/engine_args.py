@@ -47,9 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--long-prefill-token-threshold",
         type=int,
         default=0,
-        help="while a short prompt waits, a prompt with more tokens left than this takes at "
-        "most this many per micro-batch, so new requests are admitted beside it (default 0: "
-        "the micro-batch's token budget / (--max-num-partial-prefills + 1))",
+        help="most tokens of one prompt per micro-batch, which bounds the step a new request "
+        "may wait behind (default 0: no cap; while a short prompt waits, long prompts take at "
+        "most the budget / (--max-num-partial-prefills + 1) anyway)",
     )
     g.add_argument(
         "--max-num-partial-prefills",
