@@ -63,6 +63,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # Fair admission (pipellm/engine/scheduler.py): while a short prompt waits, at most
+    # max_num_partial_prefills long prompts get a chunk, each at most the micro-batch's budget /
+    # (max_num_partial_prefills + 1); long_prefill_token_threshold caps every chunk (0: off).
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
     enable_prefix_caching: bool = True
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes of KV cache over all stages (CPU)
@@ -153,6 +158,16 @@ class EngineConfig:
             )
         if self.max_cudagraph_capture_size is not None:
             logger.warning("max_cudagraph_capture_size has no effect on CPU; ignored")
+        if not isinstance(self.long_prefill_token_threshold, int) or (
+            self.long_prefill_token_threshold < 0
+        ):
+            _fail(
+                "long_prefill_token_threshold",
+                self.long_prefill_token_threshold,
+                "use a positive integer, or 0 for no cap",
+            )
+        if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 1:
+            _fail("max_num_partial_prefills", self.max_num_partial_prefills, "use an integer >= 1")
         if self.pp_chunk_sizing not in ("fixed", "cost"):
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
         if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipellm.structured_outputs import StructuredOutputsParams
+
+# The sampler works in float32, where 1e-300 is 0 and 1e300 is inf: values that would divide by
+# zero or give NaN probabilities are raised to these floors (vLLM raises temperatures below
+# 0.01 the same way, vllm/sampling_params.py) or refused.
+MIN_TEMPERATURE = 0.01  # (0, 0.01) is raised to it; 0 stays greedy
+MIN_TOP_P = 1e-8  # (0, 1e-8) is raised to it: keeps the likeliest token only, as any tiny p
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are divided or multiplied by it
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 @dataclass
@@ -58,6 +75,26 @@ class SamplingParams:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             except TypeError as error:  # an unknown field
                 raise ValueError(f"invalid structured_outputs: {error}") from None
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value)):
+                raise ValueError(
+                    f"invalid sampling parameter {name}={value!r}: use a finite number"
+                )
+            if abs(value) > FLOAT32_MAX:
+                raise ValueError(
+                    f"invalid sampling parameter {name}={value!r}: the sampler's float32 "
+                    f"holds at most {FLOAT32_MAX:.3g}"
+                )
+        if self.logit_bias and not all(math.isfinite(b) for b in self.logit_bias.values()):
+            raise ValueError(
+                "invalid sampling parameter logit_bias: every bias must be a finite number"
+            )
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if 0 < self.top_p < MIN_TOP_P:
+            self.top_p = MIN_TOP_P
+        low, high = REPETITION_PENALTY_RANGE
         checks = [
             (1 <= self.n <= 128, "n", self.n, "use a value in [1, 128]"),
             (self.temperature >= 0, "temperature", self.temperature, "use a value >= 0"),
@@ -96,10 +133,10 @@ class SamplingParams:
                 "use a value in [-2, 2]",
             ),
             (
-                self.repetition_penalty > 0,
+                low <= self.repetition_penalty <= high,
                 "repetition_penalty",
                 self.repetition_penalty,
-                "use a value > 0 (1 is off)",
+                f"use a value in [{low:g}, {high:g}] (1 is off)",
             ),
         ]
         for ok, name, value, fix in checks:

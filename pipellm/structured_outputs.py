@@ -5,7 +5,14 @@ https://docs.vllm.ai/en/latest/features/structured_outputs.html).
 Each constraint is compiled into an llguidance grammar (https://github.com/guidance-ai/llguidance,
 the engine behind vLLM's `guidance` backend) and checked when the request is made, so that a
 bad schema or regex is refused before anything is scheduled. The last pipeline stage turns the
-grammar into token masks (pipellm/model/grammar_mask.py).
+grammar into token masks (pipellm/worker/structured_output.py).
+
+What one constraint may cost is bounded twice: its size is checked before compiling (the
+MAX_* limits below), and llguidance's own work limits (`parser_limits`, the same in the API
+process and on the last stage) turn a grammar whose lexer or parser would explode into an
+error instead of seconds of CPU and hundreds of MB. `probe` then runs a fresh matcher a few
+tokens with the real tokenizer, where llguidance reports the limits it only meets once text
+flows (an Earley row over its item limit, a regex lexer past its budget).
 """
 
 from __future__ import annotations
@@ -13,10 +20,30 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from pipellm.text.tokenizer import Tokenizer
 
 # The constraint fields, exactly one of which a request sets (vLLM's rule).
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+# Size limits, checked before anything is compiled. A choice list is one grammar rule with an
+# alternative per item, and llguidance's Earley parser fails a row of more than 2,000 items
+# (LLParserLimits.max_items_in_row): 1,000 leaves room for the items around them.
+MAX_CHOICES = 1000
+MAX_CHOICE_CHARS = 64 * 1024  # all the choices' characters together
+MAX_GRAMMAR_CHARS = 64 * 1024  # a grammar, or a JSON schema as text
+MAX_REGEX_CHARS = 4 * 1024
+MAX_CONSTRAINT_CHARS = {"json": MAX_GRAMMAR_CHARS, "grammar": MAX_GRAMMAR_CHARS}
+MAX_CONSTRAINT_CHARS["regex"] = MAX_REGEX_CHARS
+# How a request's error starts when its grammar failed on the last stage: the API answers it
+# as the client's fault (400), not as an engine bug.
+STRUCTURED_OUTPUT_FAILED = "structured output failed"
+# How many tokens `probe` feeds a fresh matcher (the first allowed token each time).
+PROBE_TOKENS = 4
 
 
 class StructuredOutputsError(ValueError):
@@ -57,7 +84,27 @@ class StructuredOutputsParams:
             object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
         if self.choice is not None:
             object.__setattr__(self, "choice", list(self.choice))
+        self._check_size()
         self.llguidance_grammar()  # raises StructuredOutputsError naming the field
+
+    def _check_size(self) -> None:
+        """Refuses a constraint over the MAX_* limits before anything compiles it."""
+        kind = self.kind
+        if kind == "choice":
+            if len(self.choice) > MAX_CHOICES:
+                raise StructuredOutputsError(
+                    kind, f"{len(self.choice)} items, over the limit of {MAX_CHOICES}"
+                )
+            chars = sum(len(c) for c in self.choice if isinstance(c, str))
+            if chars > MAX_CHOICE_CHARS:
+                raise StructuredOutputsError(
+                    kind, f"{chars} characters in all, over the limit of {MAX_CHOICE_CHARS}"
+                )
+        limit = MAX_CONSTRAINT_CHARS.get(kind)
+        if limit is not None and len(self.spec) > limit:
+            raise StructuredOutputsError(
+                kind, f"{len(self.spec)} characters, over the limit of {limit}"
+            )
 
     @property
     def kind(self) -> str:
@@ -105,11 +152,71 @@ def compile_grammar(
     except StructuredOutputsError:
         raise
     except Exception as error:  # llguidance's own errors are ValueErrors, its converters' vary
-        raise StructuredOutputsError(kind, str(error)) from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        raise StructuredOutputsError(kind, first_line(str(error))) from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, limits=parser_limits()
+    )
     if is_error:
         raise StructuredOutputsError(kind, messages[0].strip())
     return grammar
+
+
+@functools.cache
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's work limits, lower than its defaults where a hostile regex or grammar
+    would otherwise take seconds and hundreds of MB to fail (its defaults: 1,000,000 initial
+    lexer fuel, 250,000 lexer states); every constraint of the test suite and the docs fits."""
+    import llguidance
+
+    return llguidance.LLParserLimits(initial_lexer_fuel=200_000, max_lexer_states=50_000)
+
+
+def llguidance_tokenizer(
+    tokenizer: Tokenizer, vocab_size: int, model_eos_token_ids: tuple[int, ...]
+) -> llguidance.LLTokenizer:
+    """The tokenizer as llguidance sees it. A complete grammar allows the tokens the engine
+    stops at: the tokenizer's EOS and the model's. The model's logits may be wider than the
+    tokenizer (padded vocabularies): masks cover every logit, and ids no token has are never
+    allowed."""
+    import llguidance
+
+    eos = sorted(set(tokenizer.eos_token_ids) | set(model_eos_token_ids))
+    size = max(vocab_size, tokenizer.vocab_size)
+    return llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=size, eos_token=eos)
+
+
+def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """A matcher of `grammar` for `tokenizer`, under `parser_limits` (check `is_error()`)."""
+    import llguidance
+
+    return llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+
+
+def probe(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer) -> None:
+    """Raises StructuredOutputsError if a fresh matcher of the constraint fails within its
+    first PROBE_TOKENS tokens (always taking the lowest allowed token id). Leaves nothing
+    behind: the matcher is dropped either way."""
+    import numpy as np
+
+    matcher = new_matcher(tokenizer, params.llguidance_grammar())
+    bitmask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+    for _ in range(PROBE_TOKENS):
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        if matcher.is_error():
+            break
+        allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+        if not len(allowed):
+            break
+        matcher.consume_token(int(allowed[0]))
+    if matcher.is_error():
+        raise StructuredOutputsError(params.kind, first_line(matcher.get_error()))
+
+
+def first_line(reason: str) -> str:
+    """llguidance's errors go on with its parser state over many lines: the first says it."""
+    return reason.strip().splitlines()[0] if reason.strip() else "unknown error"
 
 
 def _closed_objects(schema: Any) -> Any:

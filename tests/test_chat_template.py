@@ -8,11 +8,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from pipellm.bench.server_process import ServerProcess
 
 from pipellm import LLM, SamplingParams
 from pipellm.entrypoints.cli import main
 from pipellm.loader.source import resolve_model
+from pipellm.testing.server_process import ServerProcess
 from pipellm.text.chat_template import NoChatTemplateError, read_chat_template
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from tests.checkpoints import make_tiny_checkpoint

@@ -115,6 +115,13 @@ class AsyncEngineClient:
         finally:
             del self._stats_waiters[token]
 
+    def end_requests(self, error: BaseException) -> int:
+        """Ends every request waiting for outputs with `error` (a server stopping after its
+        drain timeout); returns how many. The engine is stopped next, so nothing is aborted."""
+        for outputs in self._queues.values():
+            outputs.put_nowait(error)
+        return len(self._queues)
+
     def close(self) -> None:
         """Marks an orderly stop, so the core's exit is not logged as a failure; the owner of
         the CoreProcess stops and reaps it."""

@@ -81,6 +81,8 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_num_partial_prefills=config.max_num_partial_prefills,
                 num_stages=config.pipeline_parallel_size,
                 pp_balance=config.pp_balance,
                 pp_microbatch_tokens=config.pp_microbatch_tokens,

@@ -9,6 +9,16 @@ micro-batch while earlier ones are still in flight: every stage runs micro-batch
 submission order, so chunk k has written its KV on a stage before chunk k+1 reaches that
 stage. One long prompt then fills every stage (SGLang calls this chunked pipeline
 parallelism). With it off, a request is in at most one in-flight micro-batch, as before.
+
+Fair admission: a long prompt would otherwise take every micro-batch's whole token budget
+until its prefill ends, and a short request arriving meanwhile would wait all that time. While
+a short prompt waits (to be admitted, or with its own prompt tokens left), a prompt with more
+tokens left than the fair share (the micro-batch's budget / (max_num_partial_prefills + 1)) is
+a long one: it takes at most the fair share, and at most `max_num_partial_prefills` long
+prompts get a chunk, so the rest of the budget goes to the short ones (a long waiting request
+then lets short ones behind it go first). `long_prefill_token_threshold` (0: off), as vLLM's
+flag of that name, caps every prompt's chunk at all times, which bounds how long a request
+arriving mid-step waits for that step; the fair share never exceeds it.
 """
 
 from __future__ import annotations
@@ -35,6 +45,10 @@ class SchedulerConfig:
     # A prompt's next chunk may enter a micro-batch while its earlier chunks are in flight.
     enable_chunked_pipeline: bool = True
     chunk_cost: ChunkCostModel | None = None  # cost-balanced chunk sizes; None: fixed sizes
+    # Fair admission (module docstring): a cap on any prompt's chunk (0: none), and how many
+    # long prompts get a chunk while a short one waits.
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
 
 
 @dataclass
@@ -231,11 +245,33 @@ class Scheduler:
             return num_new
         return 0
 
+    def _fair_share(self, budget: float) -> int:
+        """What a long prompt may take of a micro-batch while a short one waits."""
+        cfg = self.config
+        share = max(1, int(budget) // (cfg.max_num_partial_prefills + 1))
+        return min(share, cfg.long_prefill_token_threshold or share)
+
+    def _short_prompt_waits(self, threshold: int) -> bool:
+        """Whether a prompt of at most `threshold` tokens left waits for budget: a waiting
+        request, or a running one still in its prompt."""
+        waiting = any(r.num_tokens <= threshold for r in self.waiting)
+        return waiting or any(
+            1 < r.num_tokens - r.num_computed_tokens <= threshold for r in self._ready_running()
+        )
+
     def schedule(self) -> SchedulerOutput | None:
         """Forms the next micro-batch, or returns None when nothing can run now."""
         cfg = self.config
         budget = self._token_budget()
         chunks: list[tuple[Request, int, bool]] = []  # (request, tokens, is_new)
+        # Fair admission: while a short prompt waits, long prompts get a capped share.
+        fair_share = self._fair_share(budget)
+        bound_long = cfg.enable_chunked_prefill and self._short_prompt_waits(fair_share)
+        cap = fair_share if bound_long else cfg.long_prefill_token_threshold
+        long_slots = cfg.max_num_partial_prefills if bound_long else len(self.requests)
+
+        def is_long(request: Request) -> bool:
+            return 0 < cap < request.num_tokens - request.num_computed_tokens
 
         # Decodes first (one token each, latency-bound), then unfinished prompt chunks.
         ready = self._ready_running()
@@ -246,7 +282,13 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # preempted for an earlier request
                 continue
             prefix = request.num_computed_tokens
-            num_new = self._take(prefix, request.num_tokens - prefix, budget, not chunks)
+            share = budget
+            if is_long(request):
+                if long_slots == 0:
+                    continue
+                long_slots -= 1
+                share = min(budget, cap)
+            num_new = self._take(prefix, request.num_tokens - prefix, share, not chunks)
             if num_new == 0:
                 continue
             if not self._allocate_or_preempt(request, num_new):
@@ -259,18 +301,30 @@ class Scheduler:
         while self.waiting and budget > 0:
             if len(self.running) >= cfg.max_num_seqs or num_admitted >= self._admission_limit():
                 break
-            request = next((r for r in self.waiting if not self._waits_for_fork(r)), None)
+            request = next(
+                (
+                    r
+                    for r in self.waiting
+                    if not self._waits_for_fork(r) and (long_slots > 0 or not is_long(r))
+                ),
+                None,
+            )
             if request is None:
                 break
             cached = self._fork_blocks(request)
             if cached is None:
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
+            share = budget
+            if is_long(request):
+                share = min(budget, cap)
             num_new = self._take(
-                num_cached_tokens, request.num_tokens - num_cached_tokens, budget, not chunks
+                num_cached_tokens, request.num_tokens - num_cached_tokens, share, not chunks
             )
             if num_new == 0:
                 break
+            if is_long(request):
+                long_slots -= 1
             bm = self.block_manager
             newly_taken = sum(bm.ref_counts[b] == 0 for b in cached)
             extra = bm.blocks_needed(num_cached_tokens + num_new) - len(cached)

@@ -44,6 +44,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split long prompts over steps and mix them with decodes",
     )
     g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="most tokens of one prompt per micro-batch, which bounds the step a new request "
+        "may wait behind (default 0: no cap; while a short prompt waits, long prompts take at "
+        "most the budget / (--max-num-partial-prefills + 1) anyway)",
+    )
+    g.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=1,
+        help="while a short prompt waits, at most this many long prompts get a chunk per "
+        "micro-batch (default %(default)s)",
+    )
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -43,6 +43,19 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every 4xx and 5xx of the server has this body."""
+
+    error: ErrorDetail
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

@@ -2,14 +2,16 @@
 core, which runs in its own process.
 
 Startup order: validate the config, take the port, start the engine core (loading the model
-while this process loads the tokenizer), then serve. SIGINT and SIGTERM stop the server
-gracefully and reap the engine core and its pipeline stages on every path.
+while this process loads the tokenizer), then serve. SIGINT and SIGTERM drain the server
+(pipellm/entrypoints/graceful_drain.py) and reap the engine core and its pipeline stages on
+every path.
 """
 
 from __future__ import annotations
 
 import argparse
 import hmac
+import json
 import logging
 import os
 import signal
@@ -17,12 +19,15 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -31,13 +36,19 @@ from pipellm.config import EngineConfig
 from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError
 from pipellm.engine.core_process import CoreProcess
 from pipellm.entrypoints.engine_args import engine_config_from_args
+from pipellm.entrypoints.graceful_drain import DrainGate, DrainingServer, DrainState
 from pipellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     OpenAIError,
     error_body,
 )
-from pipellm.entrypoints.openai_serving import OpenAIServing, one_line
+from pipellm.entrypoints.openai_serving import (
+    OpenAIServing,
+    ServerShuttingDownError,
+    one_line,
+)
 from pipellm.entrypoints.server_limits import BodyLimits, ServerLimits, header_timeout_protocol
 from pipellm.entrypoints.server_metrics import ServerMetrics
 from pipellm.entrypoints.tool_parsers import resolve_tool_call_parser
@@ -47,8 +58,10 @@ from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "PIPELLM_API_KEY"
-GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish before they are cancelled
+GRACEFUL_SHUTDOWN_S = 5  # after the drain: what uvicorn still waits for before cancelling
 ENGINE_DEAD_EXIT_CODE = 1
+PARSE_ON_LOOP_BYTES = 64 * 1024  # smaller request bodies are parsed at once, without a thread hop
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # What a field of several accepted shapes must look like (pydantic would list each shape).
 UNION_HINTS = {
@@ -58,14 +71,31 @@ UNION_HINTS = {
     '{"name": NAME}}',
 }
 
-router = APIRouter()
+
+# Every route may answer these besides its success; declared in the OpenAPI schema (in OpenAI's
+# error shape), where FastAPI would otherwise promise a 422 the server never sends.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": description, "model": ErrorResponse}
+    for status, description in (
+        (400, "invalid request"),
+        (401, "missing or wrong API key (when the server requires one)"),
+        (404, "unknown model or path"),
+        (405, "method not allowed (the Allow header lists the allowed ones)"),
+        (408, "the request's headers or body came too slowly"),
+        (413, "request body too large"),
+        (499, "the client closed the request"),
+        (500, "the engine failed"),
+        (503, "shutting down, busy, or the engine is not running"),
+    )
+}
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
     client: AsyncEngineClient = request.app.state.client
     if client.is_alive:
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
     reason = one_line(client.dead_reason or "the engine core process is not running")
     return JSONResponse(error_body(reason, "server_error"), status_code=503)
 
@@ -75,7 +105,11 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}},
+)
 async def metrics(request: Request) -> Response:
     try:
         stats = await request.app.state.client.stats()
@@ -93,31 +127,72 @@ async def models(request: Request) -> dict:
         "object": "model",
         "created": request.app.state.started,
         "owned_by": "pipellm",
-        "root": str(config.source.path),
+        "root": config.model_name,  # not the weights' path on this host
         "max_model_len": config.max_model_len,
     }
     return {"object": "list", "data": [card]}
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> Response:
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its body itself (_parse_body); the
+    model's schema is added to the components by _openapi."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+@router.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
+async def completions(request: Request) -> Response:
+    body = await _parse_body(request, CompletionRequest)
     return await request.app.state.serving.completion(body, request)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+@router.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
+async def chat_completions(request: Request) -> Response:
+    body = await _parse_body(request, ChatCompletionRequest)
     return await request.app.state.serving.chat(body, request)
 
 
+async def _parse_body(request: Request, model: type[ModelT]) -> ModelT:
+    """The request body as `model`, as FastAPI would parse it, but a large one off the event
+    loop: a 4 MB body of 100,000 chat messages takes seconds to parse and validate."""
+    data = await request.body()  # already read whole, under the size limit, by BodyLimits
+    if len(data) <= PARSE_ON_LOOP_BYTES:
+        return _validate_body(model, data)
+    return await request.app.state.serving.prep.run(_validate_body, model, data)
+
+
+def _validate_body(model: type[ModelT], data: bytes) -> ModelT:
+    """Raises RequestValidationError in FastAPI's form, which _validation_error answers."""
+    try:
+        value = json.loads(data) if data else None
+    except json.JSONDecodeError as error:
+        problem = {"type": "json_invalid", "loc": ("body", error.pos), "msg": "JSON decode error"}
+        raise RequestValidationError([{**problem, "ctx": {"error": error.msg}}]) from None
+    except UnicodeDecodeError as error:
+        problem = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}
+        raise RequestValidationError([{**problem, "ctx": {"error": str(error)}}]) from None
+    try:
+        return model.model_validate(value)
+    except ValidationError as error:
+        problems = [{**item, "loc": ("body", *item["loc"])} for item in error.errors()]
+        raise RequestValidationError(problems) from None
+
+
+# Besides /v1: the API's description, which names every route and field.
+DOC_PATHS = ("/docs", "/redoc", "/openapi.json")
+
+
 class BearerAuth:
-    """Requires `Authorization: Bearer <key>` on /v1/*; plain ASGI so streams pass untouched."""
+    """Requires `Authorization: Bearer <key>` on /v1/* and the API docs; plain ASGI so streams
+    pass untouched. /health, /version and /metrics stay open for probes and scrapers."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path.startswith(DOC_PATHS)):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = "missing or wrong API key: send the header 'Authorization: Bearer KEY'"
@@ -133,12 +208,14 @@ def build_app(
     tokenizer: Tokenizer,
     api_key: str | None,
     limits: ServerLimits,
+    drain: DrainState,
     on_engine_dead: Callable[[], None] = lambda: None,
     tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app; its lifespan connects to `core`, which must be ready. on_engine_dead
-    runs (on the event loop) once the engine core has died; tool_call_parser reads
-    tool_choice "auto" (None: refused)."""
+    runs (on the event loop) once the engine core has died; `drain` is the graceful drain's
+    state (its gate is the outermost middleware); tool_call_parser reads tool_choice "auto"
+    (None: refused)."""
     server_metrics = ServerMetrics(config.model_name, config.pipeline_parallel_size)
 
     @asynccontextmanager
@@ -149,6 +226,7 @@ def build_app(
             client, config, tokenizer, server_metrics, limits, tool_call_parser
         )
         yield
+        app.state.serving.close()
         client.close()
 
     app = FastAPI(title="pipellm", version=__version__, lifespan=lifespan)
@@ -161,9 +239,42 @@ def build_app(
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(BodyLimits, limits=limits)
-    if api_key:  # outermost: a client without the key gets no further, not even its body read
+    if api_key:  # a client without the key gets no further, not even its body read
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(DrainGate, state=drain)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def end_requests(app: FastAPI) -> int:
+    """Ends the requests still running when the drain times out (see graceful_drain)."""
+    serving: OpenAIServing = app.state.serving
+    serving.ending = True  # those still being prepared are refused before they start
+    error = ServerShuttingDownError(
+        "the server is shutting down and its drain timeout (--shutdown-timeout) passed "
+        "before this request finished"
+    )
+    return app.state.client.end_requests(error)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema with the request bodies of the routes that parse their own, and
+    without the 422 FastAPI declares for a body: this server answers a bad body with 400
+    (_validation_error), declared with the other errors."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for model in (CompletionRequest, ChatCompletionRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
@@ -194,7 +305,9 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     message = f"{error.detail}: {request.method} {request.url.path}"
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
-    return JSONResponse(error_body(message, kind), status_code=error.status_code)
+    # Starlette's 405 carries the Allow header (RFC 9110 requires it).
+    body = error_body(message, kind)
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
 
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
@@ -247,12 +360,14 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("the engine core is dead: stopping the server (exit code %d)", 1)
             server.should_exit = True
 
+        drain = DrainState()
         app = build_app(
             core,
             config,
             tokenizer,
             api_key,
             limits,
+            drain,
             on_engine_dead=stop_serving,
             tool_call_parser=tool_call_parser,
         )
@@ -262,7 +377,9 @@ def run_server(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             http=header_timeout_protocol(limits.request_read_timeout_s),
         )
-        server = uvicorn.Server(uvicorn_config)
+        server = DrainingServer(
+            uvicorn_config, drain, limits.shutdown_timeout_s, lambda: end_requests(app)
+        )
         server.run(sockets=[sock])
         if engine_died:
             return ENGINE_DEAD_EXIT_CODE

@@ -4,9 +4,12 @@ OpenAI's JSON, whole or streamed as server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -23,16 +26,34 @@ from pipellm.entrypoints.openai_protocol import (
     GenerationRequest,
     OpenAIError,
 )
+from pipellm.entrypoints.request_prep import RequestPrep
 from pipellm.entrypoints.server_limits import ServerLimits, prompt_chars_bound
 from pipellm.entrypoints.server_metrics import ServerMetrics
 from pipellm.entrypoints.tool_calls import plan_tool_calling, template_messages
 from pipellm.protocol import EngineOutput, Logprobs, one_line
 from pipellm.sampling_params import SamplingParams
+from pipellm.structured_outputs import (
+    STRUCTURED_OUTPUT_FAILED,
+    StructuredOutputsError,
+    StructuredOutputsParams,
+    llguidance_tokenizer,
+    probe,
+)
 from pipellm.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Chunk = dict[str, Any]
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request the client gave up on
+PREP_THREADS = 2  # chat templating, tokenizing, constraint compiles run on these
+PREP_QUEUE = 64  # jobs waiting for a prep thread before requests get 503
+MAX_CHECKED_CONSTRAINTS = 256  # constraints whose probe passed, remembered (LRU)
+CONSTRAINT_PARAMS = ("structured_outputs", "response_format")
+
+
+class ServerShuttingDownError(RuntimeError):
+    """The server's drain ran out of time: requests still running are ended."""
 
 
 class OpenAIServing:
@@ -55,6 +76,14 @@ class OpenAIServing:
         self.max_prompt_chars = limits.max_prompt_chars or prompt_chars_bound(
             config.max_model_len, tokenizer.longest_token_chars
         )
+        self.prep = RequestPrep(PREP_THREADS, PREP_QUEUE)
+        self.ending = False  # the drain timed out: nothing new reaches the engine
+        self._llguidance_tokenizer: Any = None  # built on the first constrained request
+        # Digests of constraints that passed the probe; a failure is never remembered.
+        self._checked_constraints: OrderedDict[bytes, None] = OrderedDict()
+
+    def close(self) -> None:
+        self.prep.close()
 
     # ---- endpoints -----------------------------------------------------------------------------
 
@@ -65,7 +94,7 @@ class OpenAIServing:
             prompt_ids = await self._encode(prompt, "prompt", add_special_tokens=True)
         else:
             prompt_ids = prompt
-        params = self._sampling_params(
+        params = await self._sampling_params(
             request,
             prompt_ids,
             1 if request.echo_only else request.max_tokens,
@@ -113,19 +142,13 @@ class OpenAIServing:
                 "(a Jinja chat template), or send a plain prompt to /v1/completions",
                 param="messages",
             )
-        # Off the event loop: checking the tools compiles their schemas into grammars.
-        tool_calling = await asyncio.to_thread(plan_tool_calling, request, self.tool_call_parser)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                template_messages(request), tools=tool_calling.tools
-            )
-        except (ValueError, TypeError) as error:  # the template could not render these messages
-            raise OpenAIError(
-                f"cannot apply the chat template: {error}", param="messages"
-            ) from error
+        # On prep threads: checking the tools compiles their schemas into grammars, and a long
+        # chat takes seconds to render.
+        tool_calling = await self.prep.run(plan_tool_calling, request, self.tool_call_parser)
+        text = await self.prep.run(self._render_chat, request, tool_calling.tools)
         prompt_ids = await self._encode(text, "messages", add_special_tokens=False)
         params = tool_calling.constrain(
-            self._sampling_params(
+            await self._sampling_params(
                 request,
                 prompt_ids,
                 request.requested_max_tokens,
@@ -217,6 +240,17 @@ class OpenAIServing:
                     param=name,
                 )
 
+    def _render_chat(
+        self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+    ) -> str:
+        """The chat as prompt text (on a prep thread: a long chat takes seconds)."""
+        try:
+            return self.tokenizer.apply_chat_template(template_messages(request), tools=tools)
+        except (ValueError, TypeError) as error:  # the template could not render these messages
+            raise OpenAIError(
+                f"cannot apply the chat template: {error}", param="messages"
+            ) from error
+
     async def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         """Token ids of a prompt, refused before tokenizing if it cannot fit the context."""
         if len(text) > self.max_prompt_chars:
@@ -228,11 +262,11 @@ class OpenAIServing:
             )
         try:
             # Off the event loop: a long prompt must not stall the other requests' streams.
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+            return await self.prep.run(self.tokenizer.encode, text, add_special_tokens)
         except ValueError as error:
             raise OpenAIError(f"{param}: {error}", param=param) from error
 
-    def _sampling_params(
+    async def _sampling_params(
         self,
         request: GenerationRequest,
         prompt_ids: list[int],
@@ -241,7 +275,9 @@ class OpenAIServing:
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Checks the prompt against the vocabulary and the context; max_tokens None means
-        the rest of the context."""
+        the rest of the context. A structured-output constraint is compiled and probed on a
+        prep thread within --structured-outputs-timeout; any problem with it is a 400,
+        logged with its reason, before anything is scheduled."""
         limit = self.config.max_model_len
         try:
             check_prompt(prompt_ids, self.config.model_config.vocab_size, limit)
@@ -249,7 +285,12 @@ class OpenAIServing:
             raise OpenAIError(str(error), param="prompt") from None
         if max_tokens is None:
             max_tokens = limit - len(prompt_ids)
-        params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        try:
+            params = await self._checked_params(request, max_tokens, logprobs, prompt_logprobs)
+        except OpenAIError as error:
+            if error.param in CONSTRAINT_PARAMS:
+                logger.warning("refused a structured-output constraint: %s", error.message)
+            raise
         if len(prompt_ids) + max_tokens > limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens, but you requested "
@@ -259,11 +300,81 @@ class OpenAIServing:
             )
         return params
 
+    async def _checked_params(
+        self,
+        request: GenerationRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+    ) -> SamplingParams:
+        uses_constraint = request.structured_outputs is not None or (
+            request.response_format is not None and request.response_format.type != "text"
+        )
+        if not uses_constraint:
+            return request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        if self._llguidance_tokenizer is None:  # once, and outside the compile deadline
+            self._llguidance_tokenizer = await self.prep.run(
+                llguidance_tokenizer,
+                self.tokenizer,
+                self.config.model_config.vocab_size,
+                self.config.model_config.eos_token_ids,
+            )
+        timeout_s = self.limits.structured_outputs_timeout_s
+        try:
+            return await self.prep.run(
+                self._params_with_constraint,
+                request,
+                max_tokens,
+                logprobs,
+                prompt_logprobs,
+                timeout_s=timeout_s,
+            )
+        except TimeoutError:
+            raise OpenAIError(
+                f"the structured-output constraint took over {timeout_s:g} s to compile "
+                "(--structured-outputs-timeout); simplify it",
+                param="structured_outputs",
+                code="structured_outputs_timeout",
+            ) from None
+
+    def _params_with_constraint(
+        self,
+        request: GenerationRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+    ) -> SamplingParams:
+        """On a prep thread: the sampling params, their constraint compiled and probed with
+        the tokenizer (the last stage then compiles only constraints that work)."""
+        params = request.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        constraint = params.structured_outputs
+        assert isinstance(constraint, StructuredOutputsParams)
+        key = hashlib.sha256(constraint.llguidance_grammar().encode()).digest()
+        if key not in self._checked_constraints:
+            try:
+                probe(constraint, self._llguidance_tokenizer)
+            except StructuredOutputsError as error:
+                raise OpenAIError(
+                    f"invalid structured_outputs.{error.field}: {error.reason}",
+                    param="structured_outputs",
+                ) from error
+            self._remember_checked(key)
+        return params
+
+    def _remember_checked(self, key: bytes) -> None:
+        # From prep threads: OrderedDict's single operations hold the GIL; losing an entry
+        # to a race costs one more probe, nothing else.
+        self._checked_constraints[key] = None
+        while len(self._checked_constraints) > MAX_CHECKED_CONSTRAINTS:
+            self._checked_constraints.popitem(last=False)
+
     # ---- running -------------------------------------------------------------------------------
 
     def _generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[EngineOutput]:
+        if self.ending:
+            raise _as_openai_error(ServerShuttingDownError("the server is shutting down"))
         if not self.client.is_alive:
             raise OpenAIError(
                 f"the engine is not running: {one_line(self.client.dead_reason or '')}",
@@ -392,7 +503,7 @@ class _Reply:
                     yield _event(self._envelope([to_choice([out], finished)], None))
             if include_usage:
                 yield _event(self._envelope([], self.usage(num_tokens)))
-        except (EngineDeadError, RequestFailedError, ValueError) as error:
+        except (EngineDeadError, RequestFailedError, ServerShuttingDownError, ValueError) as error:
             yield _event(_as_openai_error(error).body())
         yield "data: [DONE]\n\n"
 
@@ -401,7 +512,7 @@ async def _collect(outputs: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
     try:
         async with aclosing(outputs):
             return [out async for out in outputs]
-    except (EngineDeadError, RequestFailedError, ValueError) as error:
+    except (EngineDeadError, RequestFailedError, ServerShuttingDownError, ValueError) as error:
         raise _as_openai_error(error) from error
 
 
@@ -429,6 +540,13 @@ async def _wait_for_disconnect(raw: Request) -> None:
 def _as_openai_error(error: Exception) -> OpenAIError:
     if isinstance(error, EngineDeadError):
         return OpenAIError(f"the engine failed: {one_line(str(error))}", 500, "server_error")
+    if isinstance(error, RequestFailedError) and str(error).startswith(STRUCTURED_OUTPUT_FAILED):
+        # A constraint that failed part-way (a parser limit its first tokens did not reach):
+        # the request's fault, not the engine's.
+        logger.warning("a structured-output constraint failed while generating: %s", error)
+        return OpenAIError(f"{error}; simplify the constraint", param="structured_outputs")
+    if isinstance(error, ServerShuttingDownError):
+        return OpenAIError(str(error), status_code=503, type="server_error", code="shutting_down")
     if isinstance(error, RequestFailedError):
         message = f"the engine failed this request ({error}); the server log has the details"
         return OpenAIError(message, status_code=500, type="server_error")

@@ -10,7 +10,11 @@ whose message names the flag. What they guard against:
 - stop strings that are many or long, searched after every token, and bad words, tokenized
   in the engine core's loop (--max-stop-strings, --max-stop-string-chars);
 - a prompt so long that tokenizing it costs seconds of CPU before the context-length check
-  (--max-prompt-chars, checked before tokenizing; see `prompt_chars_bound`).
+  (--max-prompt-chars, checked before tokenizing; see `prompt_chars_bound`);
+- a structured-output constraint whose compilation takes long (--structured-outputs-timeout:
+  400; its size limits are in pipellm/structured_outputs.py).
+And one that bounds a stop: --shutdown-timeout, how long in-flight requests may take to finish
+once SIGTERM or SIGINT came (pipellm/entrypoints/graceful_drain.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class ServerLimits:
     max_stop_strings: int = 32
     max_stop_string_chars: int = 256
     max_prompt_chars: int = 0  # 0: the bound implied by the context length (prompt_chars_bound)
+    structured_outputs_timeout_s: float = 10.0
+    shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for flag, value, minimum in (
@@ -44,6 +50,8 @@ class ServerLimits:
             ("--max-stop-strings", self.max_stop_strings, 0),
             ("--max-stop-string-chars", self.max_stop_string_chars, 1),
             ("--max-prompt-chars", self.max_prompt_chars, 0),
+            ("--structured-outputs-timeout", self.structured_outputs_timeout_s, 0.001),
+            ("--shutdown-timeout", self.shutdown_timeout_s, 0),
         ):
             if not value >= minimum:
                 raise ValueError(f"invalid {flag} {value}: use a value >= {minimum}")
@@ -56,6 +64,8 @@ class ServerLimits:
             max_stop_strings=args.max_stop_strings,
             max_stop_string_chars=args.max_stop_string_chars,
             max_prompt_chars=args.max_prompt_chars,
+            structured_outputs_timeout_s=args.structured_outputs_timeout,
+            shutdown_timeout_s=args.shutdown_timeout,
         )
 
 
@@ -94,6 +104,20 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         help="longest text prompt (or rendered chat) in characters, checked before tokenizing; "
         "default 0: max_model_len times the longest token of the vocabulary, which no prompt "
         "that fits the context can exceed",
+    )
+    g.add_argument(
+        "--structured-outputs-timeout",
+        type=float,
+        default=defaults.structured_outputs_timeout_s,
+        help="seconds a request's structured-output constraint may take to compile and check "
+        "(400 after); default %(default)s",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout_s,
+        help="on SIGTERM or SIGINT, seconds in-flight requests get to finish before they are "
+        "ended with an error (new requests get 503 meanwhile); default %(default)s",
     )
 
 

@@ -24,6 +24,12 @@ import torch
 
 from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
+from pipellm.structured_outputs import (
+    STRUCTURED_OUTPUT_FAILED,
+    first_line,
+    llguidance_tokenizer,
+    new_matcher,
+)
 from pipellm.text.tokenizer import Tokenizer
 
 MAX_COMPILED_GRAMMARS = 128  # distinct constraints kept compiled (least recently used go)
@@ -87,11 +93,15 @@ class GrammarMasks:
             try:
                 state = self._matcher(items[row], params[row], token_ids)
             except Exception as error:
-                failed[row] = f"structured output failed: {type(error).__name__}: {error}"
-                continue
-            if state.matcher.is_error():
-                reason = state.matcher.get_error().strip().splitlines()[0]
-                failed[row] = f"structured output failed: {reason}"
+                failed[row] = f"{STRUCTURED_OUTPUT_FAILED}: {type(error).__name__}: {error}"
+                state = None
+            if state is not None and state.matcher.is_error():
+                failed[row] = f"{STRUCTURED_OUTPUT_FAILED}: {first_line(state.matcher.get_error())}"
+            if row in failed:
+                # Copies of a compiled matcher share its lexer, which a failure can leave
+                # broken: the next request of this constraint compiles afresh.
+                self.compiled.pop(params[row].structured_outputs.llguidance_grammar(), None)
+                self.matchers.pop(items[row].request_id, None)
                 continue
             matchers.append((state.matcher, len(masked)))
             masked.append(row)
@@ -132,21 +142,17 @@ class GrammarMasks:
         template = self.compiled.get(grammar)
         if template is None:
             if self._tokenizer is None:
-                self._tokenizer = self._llguidance_tokenizer()
-            template = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+                self._tokenizer = llguidance_tokenizer(
+                    self._load_tokenizer(), self.vocab_size, self.model_eos_token_ids
+                )
+            template = new_matcher(self._tokenizer, grammar)
+            if template.is_error():  # never cached: the next request tries again
+                raise ValueError(first_line(template.get_error()))
             self.compiled[grammar] = template
             if len(self.compiled) > MAX_COMPILED_GRAMMARS:
                 self.compiled.popitem(last=False)
         self.compiled.move_to_end(grammar)
         return template
-
-    def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
-        tokenizer = self._load_tokenizer()
-        eos = sorted(set(tokenizer.eos_token_ids) | set(self.model_eos_token_ids))
-        # The model's logits may be wider than the tokenizer (padded vocabularies): the mask
-        # covers every logit, and ids no token has are never allowed.
-        size = max(self.vocab_size, tokenizer.vocab_size)
-        return llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=size, eos_token=eos)
 
     def _banned(
         self, matchers: list[tuple[llguidance.LLMatcher, int]], vocab_size: int

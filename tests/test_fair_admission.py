@@ -1,0 +1,87 @@
+"""Fair admission: a short request arriving while a long prompt prefills is admitted in the
+next micro-batch, at one and two pipeline stages; long prompts are held to a fair share only
+while a short one waits, and to --long-prefill-token-threshold always."""
+
+from collections import deque
+
+from pipellm.protocol import SchedulerOutput
+from tests.test_scheduler import add, fake_output, make_scheduler, two_stage_scheduler
+
+
+def tokens_of(out: SchedulerOutput) -> dict[str, int]:
+    return {item.request_id: item.num_scheduled_tokens for item in out.requests}
+
+
+def test_a_short_request_joins_the_next_step_of_a_long_prefill():
+    scheduler = make_scheduler(num_blocks=128, max_num_batched_tokens=32)
+    long = add(scheduler, "long", prompt_len=300, max_tokens=1)
+    first = scheduler.schedule()
+    assert tokens_of(first) == {"long": 32}  # alone, the long prompt takes the whole budget
+    scheduler.update_from_output(first, fake_output(first))
+    add(scheduler, "short", prompt_len=5, max_tokens=3)
+    second = scheduler.schedule()
+    # Half the budget (the fair share) for the long prompt, the short one admitted.
+    assert tokens_of(second) == {"long": 16, "short": 5}
+    scheduler.update_from_output(second, fake_output(second))
+    finished_first = []
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, fake_output(out))
+        finished_first += [r for r in ("short", "long") if r not in scheduler.requests]
+    assert finished_first[0] == "short"  # done long before the long prompt's prefill
+    assert long.num_output_tokens == 1
+
+
+def test_a_short_request_is_admitted_into_the_pipeline_of_a_long_prefill():
+    """Two stages, the long prompt's chunks filling both: the next micro-batch formed after
+    the short request arrives carries it."""
+    scheduler = two_stage_scheduler(max_num_batched_tokens=2048)
+    add(scheduler, "long", prompt_len=2000, max_tokens=1)
+    in_flight = deque([scheduler.schedule(), scheduler.schedule()])
+    assert all(set(tokens_of(out)) == {"long"} for out in in_flight)
+    add(scheduler, "short", prompt_len=5, max_tokens=3)
+    done = in_flight.popleft()
+    scheduler.update_from_output(done, fake_output(done))
+    nxt = scheduler.schedule()
+    assert tokens_of(nxt)["short"] == 5
+    assert tokens_of(nxt)["long"] <= scheduler.config.pp_microbatch_tokens // 2
+
+
+def test_short_requests_pass_a_long_one_waiting_for_a_partial_prefill_slot():
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=32)
+    add(scheduler, "long-a", prompt_len=300, max_tokens=1)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, fake_output(out))
+    add(scheduler, "long-b", prompt_len=300, max_tokens=1)
+    add(scheduler, "short", prompt_len=5, max_tokens=1)
+    assert tokens_of(scheduler.schedule()) == {"long-a": 16, "short": 5}
+
+
+def test_more_partial_prefills_and_a_set_threshold():
+    scheduler = make_scheduler(
+        num_blocks=256,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=8,
+        max_num_partial_prefills=2,
+    )
+    add(scheduler, "long-a", prompt_len=300, max_tokens=1)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, fake_output(out))
+    add(scheduler, "long-b", prompt_len=300, max_tokens=1)
+    add(scheduler, "short", prompt_len=5, max_tokens=1)
+    assert tokens_of(scheduler.schedule()) == {"long-a": 8, "long-b": 8, "short": 5}
+
+
+def test_the_threshold_caps_every_chunk_even_with_nothing_waiting():
+    """vLLM's meaning: a request arriving mid-step then waits for a step of at most this."""
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=32)
+    scheduler.config.long_prefill_token_threshold = 12
+    add(scheduler, "long", prompt_len=300, max_tokens=1)
+    assert tokens_of(scheduler.schedule()) == {"long": 12}
+
+
+def test_long_prompts_alone_keep_the_whole_budget():
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=32)
+    add(scheduler, "long-a", prompt_len=300, max_tokens=1)
+    add(scheduler, "long-b", prompt_len=300, max_tokens=1)
+    assert tokens_of(scheduler.schedule()) == {"long-a": 32}

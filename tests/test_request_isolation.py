@@ -1,0 +1,185 @@
+"""No request can stall or poison another, against `pipellm serve -pp 2` with an API key: bad
+structured-output constraints are 400s in OpenAI's error shape (the second try too), the slow
+ones run off the event loop while /health answers, memory comes back; float32 underflow in
+sampling values; and the API's small promises (/v1/models, docs behind the key, OpenAPI's
+declared errors, /health's body, 405's Allow header)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import psutil
+import pytest
+
+from pipellm.structured_outputs import MAX_CHOICES
+from pipellm.testing.server_process import ServerProcess
+from tests.checkpoints import make_tiny_checkpoint
+from tests.test_hostile_http import raw_http
+
+pytestmark = pytest.mark.timeout(180)
+
+API_KEY = "isolation-key"
+AUTH = f"Authorization: Bearer {API_KEY}\r\n"
+SERVED_NAME = "tiny-model"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# Generous against a loaded 2-core machine; a compile on the event loop stalled it for 18 s.
+HEALTH_BOUND_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+    flags = ["-pp", "2", "--kv-cache-memory", str(16 * 2**20), "--api-key", API_KEY]
+    flags += ["--served-model-name", SERVED_NAME]
+    process = ServerProcess([str(checkpoint), *flags], tmp_path_factory.mktemp("log") / "log")
+    with process:
+        yield process
+        assert process.stop(timeout_s=30) == [], "processes outlived the server"
+        assert process.process.returncode == 0, process.log[-3000:]
+
+
+def request(
+    server: ServerProcess, method: str, path: str, body: dict | None = None, auth: bool = True
+) -> tuple[int, dict[str, str], bytes]:
+    """(status, lower-case headers, body) of one request on its own connection."""
+    data = b"" if body is None else json.dumps(body).encode()
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n{AUTH if auth else ''}\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port), 120) as sock:
+        sock.sendall(head.encode() + data)
+        reply = b""
+        while chunk := sock.recv(1 << 16):
+            reply += chunk
+    head_bytes, _, payload = reply.partition(b"\r\n\r\n")
+    lines = head_bytes.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split(" ")[1]), {k.lower(): v for k, v in headers.items()}, payload
+
+
+def error_of(status: int, payload: bytes, expected: int) -> dict:
+    assert status == expected, payload[:500]
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+class HealthWatch:
+    """Polls /health on its own thread while a slow request runs; the slowest answer."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.latencies: list[float] = []
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll)
+
+    def _poll(self) -> None:
+        health = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            status, _ = raw_http(self.server, health)
+            self.latencies.append(time.perf_counter() - started)
+            self.statuses.append(status)
+            time.sleep(0.02)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def many_alternatives(n: int) -> str:
+    return "start: " + " | ".join(f'"a{i}"' for i in range(n))
+
+
+# The issue's bodies: a library limit (Earley row items, lexer expressions) or a size limit.
+BAD_CONSTRAINTS = [
+    ({"choice": [f"c{i}" for i in range(2001)]}, f"over the limit of {MAX_CHOICES}"),
+    ({"grammar": many_alternatives(3000)}, "max is 2000"),
+    ({"regex": "(y{1000}){1000}"}, "too many expressions"),
+]
+
+
+@pytest.mark.parametrize(("constraint", "words"), BAD_CONSTRAINTS)
+def test_constraint_problems_are_400s_twice_and_logged(server, constraint, words):
+    body = {"prompt": "hi", "max_tokens": 4, "structured_outputs": constraint}
+    for _ in range(2):  # a failed compile leaves nothing cached: the second try fails alike
+        error = error_of(*_status_body(request(server, "POST", COMPLETIONS, body)), 400)
+        assert words in error["message"] and error["param"] == "structured_outputs"
+    assert words in server.log  # logged with its reason
+    fine = {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}}
+    status, _, payload = request(server, "POST", COMPLETIONS, fine)
+    assert status == 200 and json.loads(payload)["choices"][0]["text"] in ("yes", "no")
+
+
+def test_a_huge_choice_list_neither_stalls_nor_grows_the_server(server):
+    body = {
+        "prompt": "hi",
+        "max_tokens": 4,
+        "structured_outputs": {"choice": [f"option {i}" for i in range(100_000)]},
+    }
+    process = psutil.Process(server.process.pid)
+    request(server, "POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 1})
+    before = process.memory_info().rss
+    with HealthWatch(server) as watch:
+        for _ in range(3):
+            error = error_of(*_status_body(request(server, "POST", COMPLETIONS, body)), 400)
+            assert "100000 items" in error["message"]
+    assert set(watch.statuses) == {200}
+    assert max(watch.latencies) < HEALTH_BOUND_S, watch.latencies
+    assert process.memory_info().rss - before < 50 * 2**20
+
+
+def test_a_huge_chat_is_templated_off_the_event_loop(server):
+    body = {"messages": [{"role": "user", "content": ""}] * 125_000, "max_tokens": 1}
+    with HealthWatch(server) as watch:
+        for _ in range(2):
+            error = error_of(*_status_body(request(server, "POST", CHAT, body)), 400)
+            assert "--max-prompt-chars" in error["message"]
+    assert len(watch.latencies) > 1 and set(watch.statuses) == {200}
+    assert max(watch.latencies) < HEALTH_BOUND_S, watch.latencies
+
+
+def test_float32_underflow_is_clamped_or_refused(server):
+    prompt = {"prompt": "The quick brown fox", "max_tokens": 8, "ignore_eos": True}
+    greedy = request(server, "POST", COMPLETIONS, {**prompt, "temperature": 0})
+    tiny_top_p = request(server, "POST", COMPLETIONS, {**prompt, "top_p": 1e-300})
+    texts = [json.loads(reply[2])["choices"][0]["text"] for reply in (greedy, tiny_top_p)]
+    assert texts[0] == texts[1]  # top_p raised to 1e-8 keeps the likeliest token: greedy
+    tiny_temperature = request(server, "POST", COMPLETIONS, {**prompt, "temperature": 1e-300})
+    assert tiny_temperature[0] == 200
+    assert "<|endoftext|>" * 8 != json.loads(tiny_temperature[2])["choices"][0]["text"]
+    for field, value in (("repetition_penalty", 1e-308), ("temperature", 1e300)):
+        status, _, payload = request(server, "POST", COMPLETIONS, {**prompt, field: value})
+        assert field in error_of(status, payload, 400)["message"]
+
+
+def test_small_promises_of_the_api(server):
+    status, headers, payload = request(server, "GET", "/health", auth=False)
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert json.loads(payload) == {"status": "ok"}
+    card = json.loads(request(server, "GET", "/v1/models")[2])["data"][0]
+    assert card["id"] == card["root"] == SERVED_NAME
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert request(server, "GET", path, auth=False)[0] == 401
+        assert request(server, "GET", path)[0] == 200
+    schema = json.loads(request(server, "GET", "/openapi.json")[2])
+    for path in (COMPLETIONS, CHAT):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and "400" in responses
+    status, headers, payload = request(server, "TRACE", "/v1/models")
+    assert status == 405 and headers["allow"] == "GET"
+    error_of(status, payload, 405)
+
+
+def _status_body(reply: tuple[int, dict[str, str], bytes]) -> tuple[int, bytes]:
+    return reply[0], reply[2]
