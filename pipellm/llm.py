@@ -107,7 +107,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(c, True, chat_template),
+                self.tokenizer.apply_chat_template(c, True, chat_template=chat_template),
                 add_special_tokens=False,
             )
             for c in conversations
