@@ -1,12 +1,14 @@
 """No request can stall or poison another, against `pipellm serve -pp 2` with an API key: bad
 structured-output constraints are 400s in OpenAI's error shape (the second try too), the slow
 ones run off the event loop while /health answers, memory comes back; float32 underflow in
-sampling values; and the API's small promises (/v1/models, docs behind the key, OpenAPI's
-declared errors, /health's body, 405's Allow header)."""
+sampling values; the API's small promises (/v1/models, docs behind the key, OpenAPI's declared
+errors, /health's body, 405's Allow header); and, last, the graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import signal
 import socket
 import threading
 import time
@@ -30,11 +32,22 @@ CHAT = "/v1/chat/completions"
 HEALTH_BOUND_S = 1.0
 
 
+def assert_responsive(latencies: list[float], durations: list[float]) -> None:
+    """/health never waited for most of a slow request's work: work on the event loop would
+    hold it for all of it. On a machine too loaded for the fixed bound, half the quickest
+    slow request is the bound (both stretch alike under load)."""
+    assert max(latencies) < max(HEALTH_BOUND_S, min(durations) / 2), (latencies, durations)
+
+
+SHUTDOWN_TIMEOUT_S = 1.0
+NUM_REQUESTS = 16  # half streamed; in each half, half short enough to finish in the drain
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
     flags = ["-pp", "2", "--kv-cache-memory", str(16 * 2**20), "--api-key", API_KEY]
-    flags += ["--served-model-name", SERVED_NAME]
+    flags += ["--served-model-name", SERVED_NAME, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     process = ServerProcess([str(checkpoint), *flags], tmp_path_factory.mktemp("log") / "log")
     with process:
         yield process
@@ -130,23 +143,29 @@ def test_a_huge_choice_list_neither_stalls_nor_grows_the_server(server):
     process = psutil.Process(server.process.pid)
     request(server, "POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 1})
     before = process.memory_info().rss
+    durations = []
     with HealthWatch(server) as watch:
         for _ in range(3):
+            started = time.perf_counter()
             error = error_of(*_status_body(request(server, "POST", COMPLETIONS, body)), 400)
+            durations.append(time.perf_counter() - started)
             assert "100000 items" in error["message"]
     assert set(watch.statuses) == {200}
-    assert max(watch.latencies) < HEALTH_BOUND_S, watch.latencies
+    assert_responsive(watch.latencies, durations)
     assert process.memory_info().rss - before < 50 * 2**20
 
 
 def test_a_huge_chat_is_templated_off_the_event_loop(server):
     body = {"messages": [{"role": "user", "content": ""}] * 125_000, "max_tokens": 1}
+    durations = []
     with HealthWatch(server) as watch:
         for _ in range(2):
+            started = time.perf_counter()
             error = error_of(*_status_body(request(server, "POST", CHAT, body)), 400)
+            durations.append(time.perf_counter() - started)
             assert "--max-prompt-chars" in error["message"]
     assert len(watch.latencies) > 1 and set(watch.statuses) == {200}
-    assert max(watch.latencies) < HEALTH_BOUND_S, watch.latencies
+    assert_responsive(watch.latencies, durations)
 
 
 def test_float32_underflow_is_clamped_or_refused(server):
@@ -183,3 +202,103 @@ def test_small_promises_of_the_api(server):
 
 def _status_body(reply: tuple[int, dict[str, str], bytes]) -> tuple[int, bytes]:
     return reply[0], reply[2]
+
+
+def send(port: int, body: dict, replies: dict[int, tuple[int, str, bytes]], key: int) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        data = json.dumps(body)
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+        connection.request("POST", "/v1/completions", data, headers)
+        response = connection.getresponse()
+        content_type = response.getheader("content-type", "")
+        replies[key] = (response.status, content_type, response.read())
+    except (http.client.HTTPException, OSError) as error:  # cut off: what the drain prevents
+        replies[key] = (0, "", repr(error).encode())
+    finally:
+        connection.close()
+
+
+def engine_sequences(server: ServerProcess) -> int:
+    """Sequences (each of n samples) running or waiting in the engine, from /metrics."""
+    _, _, payload = request(server, "GET", "/metrics", auth=False)
+    gauges = ("pipellm:num_requests_running{", "pipellm:num_requests_waiting{")
+    lines = payload.decode().splitlines()
+    return sum(int(float(line.split()[-1])) for line in lines if line.startswith(gauges))
+
+
+def stream_events(payload: bytes) -> list[str]:
+    return [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_cleanly(server):
+    """Last in this module: it stops the server. SIGTERM with 16 requests in flight, 8 of
+    them streamed: new requests get 503, requests that can finish within --shutdown-timeout
+    do, the rest end cleanly (a JSON error, or an error event and `[DONE]`); the server exits
+    0 in time, with no traceback in its log and no process left behind."""
+    try:
+        replies: dict[int, tuple[int, str, bytes]] = {}
+        threads = []
+        for i in range(NUM_REQUESTS):
+            long = i % 4 >= 2  # runs past the drain timeout: ended by the server
+            body = {
+                "prompt": f"request {i}",
+                "max_tokens": 500 if long else 4,
+                "n": 4 if long else 1,  # 2,000 tokens: more than the drain timeout allows
+                "ignore_eos": True,
+                "stream": i % 2 == 0,
+            }
+            thread = threading.Thread(target=send, args=(server.port, body, replies, i))
+            thread.start()
+            threads.append(thread)
+        deadline = time.monotonic() + 60
+        num_sequences = sum(4 if i % 4 >= 2 else 1 for i in range(NUM_REQUESTS))
+        # All in the engine (a finished one is a short one: one sequence).
+        while len(replies) + engine_sequences(server) < num_sequences:
+            assert time.monotonic() < deadline, "the requests never all reached the engine"
+            time.sleep(0.05)
+        assert not replies.keys() & {i for i in range(NUM_REQUESTS) if i % 4 >= 2}
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(0.3)
+        late: dict[int, tuple[int, str, bytes]] = {}
+        send(server.port, {"prompt": "late", "max_tokens": 2}, late, 0)
+        server.process.wait(SHUTDOWN_TIMEOUT_S + 30)
+        exit_s = time.monotonic() - signalled
+        for thread in threads:
+            thread.join(30)
+    finally:
+        leftovers = server.stop(timeout_s=30)
+    assert server.process.returncode == 0, server.log[-3000:]
+    assert exit_s < SHUTDOWN_TIMEOUT_S + 15
+    assert leftovers == [], "processes outlived the server"
+    assert "Traceback" not in server.log and "Exception in ASGI" not in server.log, server.log
+    status, content_type, payload = late[0]
+    assert status == 503 and content_type == "application/json", payload
+    assert json.loads(payload)["error"]["code"] == "shutting_down"
+
+    assert sorted(replies) == list(range(NUM_REQUESTS))
+    ended = 0
+    for i, (status, content_type, payload) in sorted(replies.items()):
+        if i % 2 == 0:  # a stream: its last token and [DONE], or an error event and [DONE]
+            assert status == 200 and content_type.startswith("text/event-stream"), payload
+            events = stream_events(payload)
+            assert events[-1] == "[DONE]", payload[-300:]
+            last = json.loads(events[-2])
+            if "error" in last:
+                ended += 1
+                assert last["error"]["code"] == "shutting_down"
+            else:
+                assert last["choices"][0]["finish_reason"] == "length", last
+                assert i % 4 < 2
+        else:  # a plain request: the whole reply, or a JSON error
+            assert content_type == "application/json", (status, payload)
+            body = json.loads(payload)
+            if status == 200:
+                assert body["choices"][0]["finish_reason"] == "length"
+                assert i % 4 < 2
+            else:
+                ended += 1
+                assert status == 503 and body["error"]["code"] == "shutting_down", body
+    assert ended == NUM_REQUESTS // 2  # the long ones, ended at the drain timeout
+    assert "drain timeout: ended 8 request(s) still running" in server.log

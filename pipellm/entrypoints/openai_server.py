@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -39,6 +39,7 @@ from pipellm.entrypoints.engine_args import engine_config_from_args
 from pipellm.entrypoints.graceful_drain import DrainGate, DrainingServer, DrainState
 from pipellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ErrorResponse,
     OpenAIError,
@@ -62,6 +63,8 @@ GRACEFUL_SHUTDOWN_S = 5  # after the drain: what uvicorn still waits for before 
 ENGINE_DEAD_EXIT_CODE = 1
 PARSE_ON_LOOP_BYTES = 64 * 1024  # smaller request bodies are parsed at once, without a thread hop
 ModelT = TypeVar("ModelT", bound=BaseModel)
+MESSAGES_PER_BATCH = 1000  # chat messages validated per call (each call holds the GIL)
+_CHAT_MESSAGES = TypeAdapter(list[ChatMessage])
 
 # What a field of several accepted shapes must look like (pydantic would list each shape).
 UNION_HINTS = {
@@ -172,10 +175,36 @@ def _validate_body(model: type[ModelT], data: bytes) -> ModelT:
         problem = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error"}
         raise RequestValidationError([{**problem, "ctx": {"error": str(error)}}]) from None
     try:
+        if model is ChatCompletionRequest and _is_long_chat(value):
+            return _validate_long_chat(value)  # type: ignore[return-value]
         return model.model_validate(value)
     except ValidationError as error:
         problems = [{**item, "loc": ("body", *item["loc"])} for item in error.errors()]
         raise RequestValidationError(problems) from None
+
+
+def _is_long_chat(value: object) -> bool:
+    return isinstance(value, dict) and len(value.get("messages") or ()) > MESSAGES_PER_BATCH
+
+
+def _validate_long_chat(value: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat of many messages validated a batch at a time: pydantic holds the GIL for a whole
+    call, and 125,000 messages in one call would stall the event loop for a second."""
+    messages = value["messages"]
+    request = ChatCompletionRequest.model_validate(
+        {**value, "messages": messages[:MESSAGES_PER_BATCH]}
+    )
+    for start in range(MESSAGES_PER_BATCH, len(messages), MESSAGES_PER_BATCH):
+        batch = messages[start : start + MESSAGES_PER_BATCH]
+        try:
+            request.messages += _CHAT_MESSAGES.validate_python(batch)
+        except ValidationError as error:
+            problems = [
+                {**item, "loc": ("body", "messages", start + item["loc"][0], *item["loc"][1:])}
+                for item in error.errors()
+            ]
+            raise RequestValidationError(problems) from None
+    return request
 
 
 # Besides /v1: the API's description, which names every route and field.
