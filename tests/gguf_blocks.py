@@ -24,6 +24,8 @@ _FLOAT16_FIELDS = {
     T.IQ4_XS: (0,),
 }
 QUANTIZED_TYPES = list(_FLOAT16_FIELDS)
+# A type the kernels do not take, to test that it is refused: its scale is its last 2 bytes.
+_FLOAT16_FIELDS_ELSEWHERE = {T.TQ1_0: (52,)}
 FLOAT_TYPES = [T.F16, T.BF16]
 
 
@@ -37,7 +39,7 @@ def random_blocks(kind: GGMLQuantizationType, rows: int, columns: int, seed: int
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     block_values, block_bytes = GGML_QUANT_SIZES[kind]
     blocks = rng.integers(0, 256, (rows, columns // block_values, block_bytes), dtype=np.uint8)
-    for offset in _FLOAT16_FIELDS[kind]:
+    for offset in _FLOAT16_FIELDS.get(kind) or _FLOAT16_FIELDS_ELSEWHERE[kind]:
         scales = rng.uniform(0.0005, 0.01, blocks.shape[:2]).astype(np.float16)
         blocks[..., offset : offset + 2] = scales[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)

@@ -241,9 +241,10 @@ def _iter_gguf(path: Path, stage: _Stage, dtype: torch.dtype) -> Iterator[tuple[
 
 
 def _own_bytes(tensor: gguf.ReaderTensor, data: np.ndarray) -> torch.Tensor:
-    """Quantized rows [rows, bytes] as they are in the file: owned, off the map."""
+    """Rows [rows, bytes] as they are in the file (gguf reads float16 ones as float16: viewed
+    back as their bytes): owned, off the map."""
     del tensor
-    return torch.from_numpy(data.copy())
+    return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
 
 
 def _hf_shard(
