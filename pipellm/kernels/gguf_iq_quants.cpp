@@ -10,7 +10,9 @@ constexpr int8_t kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                 1,    13,   25,  38,  53,  69,  89,  113};
 
 inline void level_nibbles(const uint8_t* qs, int8_t* q) {
-  for (int j = 0; j < 16; ++j) q[j] = kLevels[qs[j] & 0x0F], q[j + 16] = kLevels[qs[j] >> 4];
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(kLevels)));
+  store32(q, _mm256_shuffle_epi8(table, split_nibbles(qs)));
 }
 
 struct IQ4_NL {  // d, 16 bytes of nibbles (value j low, j + 16 high)

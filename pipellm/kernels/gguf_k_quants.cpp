@@ -27,10 +27,10 @@ struct Q2_K {  // 16 scale bytes (scale low nibble, min high), 64 bytes of 2-bit
     const uint8_t* scales = b;
     const uint8_t* qs = b + 16;
     const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
-    for (int h = 0; h < 2; ++h)
-      for (int g = 0; g < 4; ++g)
-        for (int j = 0; j < 32; ++j)
-          q[128 * h + 32 * g + j] = static_cast<int8_t>((qs[32 * h + j] >> (2 * g)) & 3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = load32(qs + 32 * h);
+      for (int g = 0; g < 4; ++g) store32(q + 128 * h + 32 * g, bits_of(bytes, 2 * g, 3));
+    }
     for (int s = 0; s < 16; ++s) {
       scale[s] = d * static_cast<float>(scales[s] & 0x0F);
       offset[s] = -(dmin * static_cast<float>(scales[s] >> 4));
@@ -46,13 +46,18 @@ struct Q3_K {  // 32 bytes of high bits, 64 bytes of low 2 bits, 12 bytes of 6-b
     const uint8_t* qs = b + 32;
     const uint8_t* scales = b + 96;
     const float d = half_to_float(b + 108);
-    for (int h = 0; h < 2; ++h)
-      for (int g = 0; g < 4; ++g)
-        for (int j = 0; j < 32; ++j) {
-          const int low = (qs[32 * h + j] >> (2 * g)) & 3;
-          const int high = (hmask[j] >> (4 * h + g)) & 1;  // value 32 i + j: bit i of byte j
-          q[128 * h + 32 * g + j] = static_cast<int8_t>(low - (high ? 0 : 4));
-        }
+    const __m256i high_bits = load32(hmask);  // value 32 i + j: bit i of byte j
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = load32(qs + 32 * h);
+      for (int g = 0; g < 4; ++g) {
+        const __m256i low = bits_of(bytes, 2 * g, 3);
+        const __m256i high = bits_of(high_bits, 4 * h + g, 1);
+        // low - 4 where the high bit is clear: low + 4 high - 4
+        store32(q + 128 * h + 32 * g,
+                _mm256_sub_epi8(_mm256_add_epi8(low, _mm256_slli_epi16(high, 2)),
+                                _mm256_set1_epi8(4)));
+      }
+    }
     for (int s = 0; s < 16; ++s) {
       const int low = s < 8 ? scales[s] & 0x0F : scales[s - 8] >> 4;
       const int high = (scales[8 + s % 4] >> (2 * (s / 4))) & 3;
@@ -68,11 +73,11 @@ struct Q4_K {  // d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbl
   static void decode(const uint8_t* b, int8_t* q, float* scale, float* offset) {
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     const uint8_t* qs = b + 16;
-    for (int c = 0; c < 4; ++c)  // 64 values: 32 low nibbles, then the same bytes' high ones
-      for (int j = 0; j < 32; ++j) {
-        q[64 * c + j] = static_cast<int8_t>(qs[32 * c + j] & 0x0F);
-        q[64 * c + 32 + j] = static_cast<int8_t>(qs[32 * c + j] >> 4);
-      }
+    for (int c = 0; c < 4; ++c) {  // 64 values: 32 low nibbles, then the same bytes' high ones
+      const __m256i bytes = load32(qs + 32 * c);
+      store32(q + 64 * c, bits_of(bytes, 0, 0x0F));
+      store32(q + 64 * c + 32, bits_of(bytes, 4, 0x0F));
+    }
     for (int i = 0; i < 8; ++i) {
       uint8_t sc, m;
       six_bit_scales(b + 4, i, sc, m);
@@ -89,13 +94,14 @@ struct Q5_K {  // as Q4_K, with 32 bytes of fifth bits before the nibbles
     const float d = half_to_float(b), dmin = half_to_float(b + 2);
     const uint8_t* qh = b + 16;
     const uint8_t* qs = b + 48;
-    for (int c = 0; c < 4; ++c)
-      for (int j = 0; j < 32; ++j) {
-        const int low0 = qs[32 * c + j] & 0x0F, low1 = qs[32 * c + j] >> 4;
-        const int high0 = (qh[j] >> (2 * c)) & 1, high1 = (qh[j] >> (2 * c + 1)) & 1;
-        q[64 * c + j] = static_cast<int8_t>(low0 | (high0 << 4));
-        q[64 * c + 32 + j] = static_cast<int8_t>(low1 | (high1 << 4));
-      }
+    const __m256i high_bits = load32(qh);  // sub-block s's fifth bits: bit s of each byte
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bytes = load32(qs + 32 * c);
+      const __m256i high0 = _mm256_slli_epi16(bits_of(high_bits, 2 * c, 1), 4);
+      const __m256i high1 = _mm256_slli_epi16(bits_of(high_bits, 2 * c + 1, 1), 4);
+      store32(q + 64 * c, _mm256_or_si256(bits_of(bytes, 0, 0x0F), high0));
+      store32(q + 64 * c + 32, _mm256_or_si256(bits_of(bytes, 4, 0x0F), high1));
+    }
     for (int i = 0; i < 8; ++i) {
       uint8_t sc, m;
       six_bit_scales(b + 4, i, sc, m);
@@ -113,12 +119,18 @@ struct Q6_K {  // 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, d
     const uint8_t* qh = b + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half_to_float(b + 208);
-    for (int h = 0; h < 2; ++h)    // halves of 128 values
-      for (int v = 0; v < 128; ++v) {
-        const int low = (ql[64 * h + v % 64] >> (4 * (v / 64))) & 0x0F;
-        const int high = (qh[32 * h + v % 32] >> (2 * (v / 32))) & 3;
-        q[128 * h + v] = static_cast<int8_t>((low | (high << 4)) - 32);
+    const __m256i offset32 = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {  // halves of 128 values; value 32 g + j of a half:
+      const __m256i low_bytes[2] = {load32(ql + 64 * h), load32(ql + 64 * h + 32)};
+      const __m256i high_bytes = load32(qh + 32 * h);
+      for (int g = 0; g < 4; ++g) {
+        // low nibble: byte (32 g + j) % 64 of the half's ql, its high nibble from g = 2 on;
+        // high 2 bits: bits 2 g of byte j of the half's qh
+        const __m256i low = bits_of(low_bytes[g % 2], 4 * (g / 2), 0x0F);
+        const __m256i high = _mm256_slli_epi16(bits_of(high_bytes, 2 * g, 3), 4);
+        store32(q + 128 * h + 32 * g, _mm256_sub_epi8(_mm256_or_si256(low, high), offset32));
       }
+    }
     for (int s = 0; s < 16; ++s) {
       scale[s] = d * static_cast<float>(scales[s]);
       offset[s] = 0.0f;

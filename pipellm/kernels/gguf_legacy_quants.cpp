@@ -10,19 +10,14 @@ namespace pipellm_gguf {
 namespace {
 
 inline void nibbles(const uint8_t* qs, int8_t* q, int8_t offset) {
-  for (int j = 0; j < 16; ++j) {
-    q[j] = static_cast<int8_t>((qs[j] & 0x0F) + offset);
-    q[j + 16] = static_cast<int8_t>((qs[j] >> 4) + offset);
-  }
+  store32(q, _mm256_add_epi8(split_nibbles(qs), _mm256_set1_epi8(offset)));
 }
 
 inline void fifth_bits(const uint8_t* qh_bytes, const uint8_t* qs, int8_t* q, int8_t offset) {
   uint32_t qh;
-  std::memcpy(&qh, qh_bytes, 4);
-  for (int j = 0; j < 16; ++j) {
-    q[j] = static_cast<int8_t>(((qs[j] & 0x0F) | (((qh >> j) & 1) << 4)) + offset);
-    q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + offset);
-  }
+  std::memcpy(&qh, qh_bytes, 4);  // bit i: value i's fifth bit
+  const __m256i values = _mm256_or_si256(split_nibbles(qs), bits_to_bytes(qh, 0x10));
+  store32(q, _mm256_add_epi8(values, _mm256_set1_epi8(offset)));
 }
 
 inline void same_for_both_halves(float* scale, float* offset, float d, float m) {

@@ -44,6 +44,32 @@ inline float half_to_float(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
+// Vector helpers for the decoders (AVX2, so every level's build has them).
+inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline void store32(int8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
+// Each byte of v shifted right by `shift` bits, keeping `mask`.
+inline __m256i bits_of(__m256i v, int shift, uint8_t mask) {
+  return _mm256_and_si256(_mm256_srli_epi16(v, shift), _mm256_set1_epi8(static_cast<char>(mask)));
+}
+// 16 bytes of nibble pairs -> 32 bytes: byte j's low nibble at j, its high nibble at j + 16.
+inline __m256i split_nibbles(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+}
+// Bit i of `bits` -> byte i: `value` where set, 0 where clear.
+inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                       3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(static_cast<char>(value)));
+}
+
 // A quantized type's to_float from its decode: w = fma(q, D, M), or D q without offsets
 // (the same rounding as `gguf`'s single multiply).
 template <class Type>
