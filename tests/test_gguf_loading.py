@@ -78,6 +78,21 @@ def test_mixed_types_load_as_stored_and_compute_as_float32(tmp_path, tied):
         torch.testing.assert_close(layer(rows), reference_linears[name](rows), rtol=0, atol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["gguf", "gguf_int8"])
+def test_a_tied_q8_0_table_is_held_once(tmp_path, quantization):
+    path = tmp_path / "tied.gguf"
+    values = write_tiny_llama_gguf(path, {}, default=T.Q8_0, tied=True)
+    model = StageWorker(EngineConfig(model=str(path), quantization=quantization), 0).model
+    embedding = model.embed_tokens
+    assert embedding.table is None and embedding.head is model.lm_head
+    ids = torch.tensor([[0, 15, 16], [95, 47, 3]])
+    expected = torch.from_numpy(values["token_embd.weight"])[ids]
+    assert torch.equal(embedding(ids), expected)
+    with pytest.raises(IndexError, match=r"\[0, 96\)"):
+        embedding(torch.tensor([96]))
+
+
 def test_truncated_file_names_the_tensor(tmp_path):
     path = tmp_path / "cut.gguf"
     write_tiny_llama_gguf(path, {})

@@ -228,7 +228,9 @@ class QuantizedLinear(nn.Module):
 class GgufEmbedding(nn.Module):
     """The token embedding looked up on a GGUF matrix's stored rows: only the rows a batch
     needs are dequantized (bit-identical to `gguf`'s float32), so the table stays as small as
-    in the file (Gemma 3's 262,144 x 640 Q8_0 table: 178 MB, not 671 MB).
+    in the file (Gemma 3's 262,144 x 640 Q8_0 table: 178 MB, not 671 MB). Where a tied lm_head
+    repacks the same Q8_0 table for its kernel, the lookup reads the rows from that copy
+    instead (share_head), so the stage holds the table once.
 
     `weight` is the meta-device parameter of the nn.Embedding it replaces: a tied lm_head
     takes it as a placeholder before it becomes a QuantizedLinear on the same blocks."""
@@ -237,15 +239,53 @@ class GgufEmbedding(nn.Module):
         self, weight: QuantizedWeight, meta_weight: nn.Parameter, level: str | None = None
     ):
         super().__init__()
-        self.table = weight
+        self.table: QuantizedWeight | None = weight
+        self.kind, self.rows, self.hidden = weight.kind, weight.out_features, weight.in_features
         self.weight = meta_weight
         self.embedding_op = ops(level).gguf_embedding
+        self.head: QuantizedLinear | None = None
+
+    def share_head(self, head: nn.Module) -> bool:
+        """Reads rows from `head`'s repacked weight and drops the stored table, if head is a
+        repacked Q8_0 QuantizedLinear of the same table (a tied lm_head); returns whether."""
+        shares = (
+            isinstance(head, QuantizedLinear)
+            and head.repacked
+            and head.kind == self.kind == GGMLQuantizationType.Q8_0
+            and (head.out_features, head.in_features) == (self.rows, self.hidden)
+        )
+        if shares:
+            self.head, self.table = head, None
+        return shares
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embedding_op(
-            token_ids, self.table.blocks, int(self.table.kind), self.table.in_features
-        )
+        if self.table is not None:
+            return self.embedding_op(token_ids, self.table.blocks, int(self.kind), self.hidden)
+        return self._rows_from_head(token_ids)
+
+    def _rows_from_head(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the head's repacked Q8_0 records (pack_quantized_weight or, with int8
+        activations, pack_int8_weight): per panel of 16 rows and 32-value block, 16 float16
+        scales, then the quants by depth and column (+ 128, in lanes of 4 depths, for int8)."""
+        flat = token_ids.reshape(-1)
+        if flat.numel() and (flat.min() < 0 or flat.max() >= self.rows):
+            raise IndexError(f"token ids must be in [0, {self.rows}): got {flat.tolist()}")
+        panel, column = flat // PANEL, flat % PANEL
+        records = self.head.packed_weight[panel]  # [n, blocks, bytes]
+        n, blocks = records.shape[:2]
+        rows = torch.arange(n)
+        pairs = records[:, :, : 2 * PANEL].reshape(n, blocks, PANEL, 2)[rows, :, column]
+        scales = pairs.contiguous().view(torch.float16).float()  # [n, blocks, 1]
+        quants = records[:, :, 2 * PANEL :]
+        if self.head.int8_activations:
+            lanes = quants.reshape(n, blocks, BLOCK // 4, PANEL, 4)[rows, :, :, column]
+            q = lanes.reshape(n, blocks, BLOCK).to(torch.int16) - 128
+        else:
+            q = quants.reshape(n, blocks, BLOCK, PANEL)[rows, :, :, column].view(torch.int8)
+        # q d in float32, as `gguf` dequantizes Q8_0: the same bits.
+        values = q.float() * scales
+        return values.reshape(*token_ids.shape, self.hidden)
 
     def extra_repr(self) -> str:
-        rows, hidden = self.table.out_features, self.table.in_features
-        return f"{rows}, {hidden}, {self.table.kind.name}"
+        where = "stored rows" if self.table is not None else "the lm_head's records"
+        return f"{self.rows}, {self.hidden}, {self.kind.name}, from {where}"

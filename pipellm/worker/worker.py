@@ -96,6 +96,8 @@ class StageWorker:
             int8_activations=config.quantization == "gguf_int8",
         )
         self.model.eval()
+        if isinstance(self.model.embed_tokens, GgufEmbedding) and mc.tie_word_embeddings:
+            self.model.embed_tokens.share_head(self.model.lm_head)  # one copy of the table
         cache_shape = (config.num_kv_blocks, config.block_size, tp.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             (
