@@ -127,3 +127,13 @@ def test_rows_that_are_not_whole_blocks_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' \(Q4_K.*rows of 200 values"):
         GGUFFile(path)
+
+
+def test_tensor_parallelism_splits_k_quants_only_on_whole_blocks(tmp_path):
+    path = tmp_path / "k.gguf"
+    # ffn_down's 512 input columns split in two 256-value blocks; attn_output's 256 cannot.
+    write_tiny_llama_gguf(path, {"blk.0.ffn_down.weight": T.Q4_K, "blk.1.ffn_down.weight": T.Q6_K})
+    EngineConfig(model=str(path), tensor_parallel_size=2)
+    write_tiny_llama_gguf(path.with_name("o.gguf"), {"blk.1.attn_output.weight": T.Q4_K})
+    with pytest.raises(ValueError, match=r"o_proj.*\[0, 128\).*blocks of 256 values"):
+        EngineConfig(model=str(path.with_name("o.gguf")), tensor_parallel_size=2)
