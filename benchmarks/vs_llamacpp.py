@@ -2,13 +2,16 @@
 
 llama.cpp runs through llama-cpp-python (an optional, bench-only install, never a test
 dependency; pipellm's `bench` extra names it), in a Python of its own if need be
-(`--llamacpp-python`): its child process needs only llama_cpp and numpy. Both engines load the
-built-in SmolLM2-135M GGUF (Q4_1 projections, Q8_0 embedding) and decode greedily; every
-measurement is a fresh process, and the engines take turns (A B C A B C ..., the order rotated
-each round). Workloads, prompts of random token ids:
+(`--llamacpp-python`, with LLAMA_CPP_LIB_PATH naming a llama.cpp build where the package has
+none): its child process needs only llama_cpp and numpy. Both engines load the same GGUF file
+(`--model`, default the built-in SmolLM2-135M Q4_1 file; any type mix pipellm's kernels take,
+e.g. a llama.cpp Q4_K_M) and decode greedily; pipellm with the settings `pipellm serve FILE`
+uses by default. Every measurement is a fresh process, and the engines take turns
+(A B C A B C ..., the order rotated each round). Workloads, prompts of random token ids:
 
-- one sequence: time to first token of a 256-token prompt (prefill + one token), and decode
-  tokens/s over the next `--decode-tokens` tokens;
+- one sequence: one chat, a 32-token prompt and 128 new tokens, whole time; time to first
+  token of a 256-token prompt (prefill + one token), and decode tokens/s over the next
+  `--decode-tokens` tokens;
 - a batch: 16 prompts of 256 tokens, 64 new tokens each (16 x (256 + 64)), whole run.
   llama.cpp gets the batch the way its `batched` example and server run one: each prompt
   prefilled in its own sequence (up to n_batch = 2048 tokens a llama_decode), then one
@@ -24,7 +27,7 @@ a subset (llamacpp is always in: the ratios are against it). Ratios are llama.cp
 each pipellm configuration's.
 
     .venv/bin/python benchmarks/vs_llamacpp.py         # 2 threads, 3 rounds
-    .venv/bin/python benchmarks/vs_llamacpp.py --threads 1 --rounds 1 --workloads single
+    .venv/bin/python benchmarks/vs_llamacpp.py --model Q4_K_M.gguf --rounds 1 --workloads single
     .venv/bin/python benchmarks/vs_llamacpp.py --workloads single --configs int8 int8-unfused
     .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp-python /opt/llamacpp-venv/bin/python
 
@@ -51,6 +54,7 @@ import time
 import numpy as np
 
 PROMPT_LEN, BATCH, BATCH_NEW_TOKENS = 256, 16, 64
+CHAT_PROMPT_LEN, CHAT_NEW_TOKENS = 32, 128
 # name -> (engine, extra environment, pipellm's quantization setting); the llama.cpp child
 # runs in --llamacpp-python.
 _KERNELS = {"PIPELLM_CPU_KERNELS": "1", "PIPELLM_DECODE_FAST_PATH": "1"}
@@ -64,9 +68,9 @@ CONFIGS = {
 }
 
 
-def prompts(count: int, seed: int) -> list[list[int]]:
+def prompts(count: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return rng.integers(100, 40000, size=(count, PROMPT_LEN)).tolist()
+    return rng.integers(100, 40000, size=(count, length)).tolist()
 
 
 # ---- pipellm ---------------------------------------------------------------------------------
@@ -77,12 +81,7 @@ def pipellm_child(args: argparse.Namespace) -> dict[str, float]:
 
     from pipellm import LLM, SamplingParams
 
-    llm = LLM(
-        args.model,
-        max_num_seqs=BATCH,
-        enable_prefix_caching=False,
-        quantization=CONFIGS[args.child][2],
-    )
+    llm = LLM(args.model, enable_prefix_caching=False, quantization=CONFIGS[args.child][2])
     torch.set_num_threads(args.threads)  # after LLM(), which sets its own count
 
     def run(batch: list[list[int]], max_tokens: int) -> float:
@@ -98,6 +97,7 @@ def pipellm_child(args: argparse.Namespace) -> dict[str, float]:
         ttft = statistics.median(run(prompts(1, next(seeds)), 1) for _ in range(3))
         full = run(prompts(1, next(seeds)), args.decode_tokens + 1)
         result = {"ttft_s": ttft, "decode_step_ms": (full - ttft) / args.decode_tokens * 1e3}
+        result["chat_s"] = run(prompts(1, next(seeds), CHAT_PROMPT_LEN), CHAT_NEW_TOKENS)
     else:
         run(prompts(2, next(seeds)), 2)
         result = {"batch_s": run(prompts(BATCH, next(seeds)), BATCH_NEW_TOKENS)}
@@ -175,9 +175,16 @@ def llamacpp_child(args: argparse.Namespace) -> dict[str, float | str]:
         for pos in range(PROMPT_LEN, PROMPT_LEN + args.decode_tokens):
             token = engine.decode([(token, pos, 0, True)])[0]
         elapsed = time.perf_counter() - started
+        engine.clear()
+        started = time.perf_counter()
+        token = engine.prefill(prompts(1, next(seeds), CHAT_PROMPT_LEN)[0], 0)
+        for pos in range(CHAT_PROMPT_LEN, CHAT_PROMPT_LEN + CHAT_NEW_TOKENS - 1):
+            token = engine.decode([(token, pos, 0, True)])[0]
+        chat = time.perf_counter() - started
         return {
             "ttft_s": ttft,
             "decode_step_ms": elapsed / args.decode_tokens * 1e3,
+            "chat_s": chat,
             "system_info": engine.system_info(),
         }
 
@@ -253,7 +260,9 @@ def main() -> None:
         help="the Python that has llama-cpp-python (default: $PIPELLM_LLAMACPP_PYTHON, else this "
         "one)",
     )
-    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--model", default=None, help="the GGUF file both engines load (default: the built-in)"
+    )
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -265,7 +274,7 @@ def main() -> None:
     from pipellm.kernels.cpu_kernels import int8_activations_unavailable
     from pipellm.loader.source import resolve_model
 
-    model = str(resolve_model(None).path)
+    model = str(resolve_model(args.model).path)
     argv = ["--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens)]
     argv += ["--model", model]
     print(f"model: {model}")
@@ -309,9 +318,15 @@ def main() -> None:
     if "single" in args.workloads:
         table(
             "single",
+            "chat_s",
+            "s",
+            f"(a) one chat, {CHAT_PROMPT_LEN}-token prompt -> {CHAT_NEW_TOKENS} new tokens",
+        )
+        table(
+            "single",
             "decode_step_ms",
             "ms",
-            f"(a) one sequence, decode step after a {PROMPT_LEN}-token prompt "
+            f"(a') one sequence, decode step after a {PROMPT_LEN}-token prompt "
             f"({args.decode_tokens} tokens)",
         )
         table("single", "ttft_s", "s", f"(c) one {PROMPT_LEN}-token prompt, time to first token")

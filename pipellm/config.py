@@ -227,6 +227,10 @@ class EngineConfig:
             reason = int8_activations_unavailable()
             if reason is not None:
                 _fail("quantization", "gguf_int8", f"{reason}; use gguf (exact) instead")
+        if self.quantization.startswith("gguf"):
+            from pipellm.loader.weights import check_gguf_kernel_types
+
+            check_gguf_kernel_types(self.source)
 
     def _apply_sim_profile(self) -> None:
         """A profile that states the pipeline's KV capacity sets the cache size, unless

@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def skip_without_int8(mode: str) -> None:
-    if mode == "gguf_int8" and int8_activations_unavailable() is not None:
+    if mode.endswith("int8") and int8_activations_unavailable() is not None:
         pytest.skip(f"int8 activations unavailable: {int8_activations_unavailable()}")
 
 
@@ -38,10 +38,26 @@ def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fast") / "m", arch="qwen2")
 
 
-def as_gguf(name: str, weight: torch.Tensor) -> QuantizedWeight:
+T = GGMLQuantizationType
+# A mix as llama.cpp's quantizer writes for widths that are not whole K-quant blocks: fused
+# q/k/v and gate/up of different types, computed on their stored blocks.
+MIXED_TYPES = {
+    "q_proj": T.Q5_0,
+    "k_proj": T.Q4_0,
+    "v_proj": T.Q8_0,
+    "o_proj": T.Q5_1,
+    "gate_proj": T.Q4_0,
+    "up_proj": T.Q5_0,
+    "down_proj": T.Q8_0,
+}
+
+
+def as_gguf(name: str, weight: torch.Tensor, mixed: bool = False) -> QuantizedWeight:
     """The weight quantized as a GGUF file would store it: Q4_1 for the attention projections,
-    Q8_0 for the MLP's, so both kinds run."""
+    Q8_0 for the MLP's, so both kinds run; or with `mixed`, MIXED_TYPES."""
     kind = GGMLQuantizationType.Q4_1 if "self_attn" in name else GGMLQuantizationType.Q8_0
+    if mixed:
+        kind = MIXED_TYPES[name.split(".")[-2]]
     blocks = np.ascontiguousarray(quants.quantize(weight.numpy(), kind))
     return QuantizedWeight(
         kind, torch.from_numpy(blocks).view(torch.uint8).reshape(len(weight), -1)
@@ -58,10 +74,12 @@ def tiny_stage(checkpoint, spec: StageSpec, mode: str) -> LlamaStage:
     stage.load_weights(weights.items())
     quantized = {}
     if mode != "float32":
-        gguf = {n: as_gguf(n, w) for n, w in weights.items() if n.endswith("proj.weight")}
+        mixed = mode.startswith("mixed")
+        gguf = {n: as_gguf(n, w, mixed) for n, w in weights.items() if n.endswith("proj.weight")}
         quantized = stage.quantized_linears(gguf)
         assert len(quantized) == 4 * stage.config.num_hidden_layers // spec.num_stages
-    stage.prepare_for_inference(True, quantized, int8_activations=mode == "gguf_int8")
+    int8 = mode.endswith("int8")
+    stage.prepare_for_inference(True, quantized, int8_activations=int8)
     return stage
 
 
@@ -113,7 +131,7 @@ def fast_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("mode", ["float32", "gguf", "gguf_int8"])
+@pytest.mark.parametrize("mode", ["float32", "gguf", "gguf_int8", "mixed", "mixed_int8"])
 # The whole model, and the last of two stages (hidden states in, not token ids).
 @pytest.mark.parametrize("spec", [StageSpec(0, 1, 0, 4), StageSpec(1, 2, 2, 4)], ids=str)
 def test_hidden_states_equal_the_python_path(checkpoint, fast_calls, mode, spec):

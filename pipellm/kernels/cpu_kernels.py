@@ -45,6 +45,12 @@ _FILES = (
     "rotary_and_cache.cpp",
     "elementwise.cpp",
     "decode_layers.cpp",
+    "gguf_type_table.cpp",
+    "gguf_legacy_quants.cpp",
+    "gguf_k_quants.cpp",
+    "gguf_iq_quants.cpp",
+    "gguf_float_types.cpp",
+    "gguf_linear.cpp",
 )
 SOURCES = [Path(__file__).with_name(name) for name in _FILES]
 # Head sizes the attention kernel is instantiated for (see attend_for in the source).

@@ -46,6 +46,9 @@ using Optional = std::optional<at::Tensor>;
 using PackedLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t);
 using QuantizedLinearFn =
     at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Optional&, int64_t);
+// gguf_linear.cpp's ops: weight parts of GGUF types stacked by rows.
+using GgufLinearFn = at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef,
+                                const Optional&, int64_t);
 using RmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddRmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using SiluAndMulFn = at::Tensor(const at::Tensor&);
@@ -59,7 +62,13 @@ using AllGatherColumnsFn = void(const at::Tensor&, const at::Tensor&, const at::
 
 // How a linear layer computes (model/linear.py's PackedLinear, model/gguf_linear.py's
 // QuantizedLinear); the Python side passes these codes.
-enum Method : int64_t { kPacked = 0, kQuantized = 1, kQuantizedInt8 = 2 };
+enum Method : int64_t {
+  kPacked = 0,
+  kQuantized = 1,
+  kQuantizedInt8 = 2,
+  kGguf = 3,
+  kGgufInt8 = 4
+};
 constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
 constexpr int64_t kNormsPerLayer = 2;    // input_layernorm, post_attention_layernorm
 
@@ -69,6 +78,8 @@ struct Linear {
   Optional bias;
   int64_t kind;  // the GGUF kind code of the quantized kernels; unused for kPacked
   int64_t out_features;
+  std::vector<at::Tensor> parts;  // kGguf*: the stored weight parts and their GGUF types
+  std::vector<int64_t> types;
 };
 
 class DecodeLayers : public torch::CustomClassHolder {
@@ -81,13 +92,15 @@ class DecodeLayers : public torch::CustomClassHolder {
   // handle), 0 without tensor parallelism. gather_index (Attention.gather_index) where q/k/v
   // rows are all-gathered, each rank's part padded to qkv_width, else empty (and qkv_width
   // unused); o_slice = (o_offset, o_columns) where o_proj takes part of the heads' outputs,
-  // else empty.
+  // else empty. gguf_parts, gguf_types: the weight parts of the kGguf* linears, in order, each
+  // such linear's `kinds` entry saying how many it takes (its `weights` entry is unused).
   DecodeLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
                std::vector<at::Tensor> biases, std::vector<int64_t> methods,
                std::vector<int64_t> kinds, std::vector<int64_t> out_features, int64_t num_heads,
                int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
                std::vector<int64_t> group_starts, int64_t all_reduce_handle,
-               int64_t qkv_width, at::Tensor gather_index, std::vector<int64_t> o_slice)
+               int64_t qkv_width, at::Tensor gather_index, std::vector<int64_t> o_slice,
+               std::vector<at::Tensor> gguf_parts, std::vector<int64_t> gguf_types)
       : norms_(std::move(norms)),
         group_starts_(std::move(group_starts)),
         all_reduce_handle_(all_reduce_handle),
@@ -131,17 +144,33 @@ class DecodeLayers : public torch::CustomClassHolder {
     num_layers_ = static_cast<int64_t>(count) / kLinearsPerLayer;
     TORCH_CHECK(static_cast<int64_t>(norms_.size()) == kNormsPerLayer * num_layers_,
                 "DecodeLayers: 2 norm weights a layer");
+    TORCH_CHECK(gguf_parts.size() == gguf_types.size(),
+                "DecodeLayers: one GGUF type per gguf part");
+    size_t next_part = 0;
     for (size_t i = 0; i < count; ++i) {
-      TORCH_CHECK(methods[i] >= kPacked && methods[i] <= kQuantizedInt8,
-                  "DecodeLayers: method ", methods[i], " is not 0 (packed), 1 (quantized) or 2 "
-                  "(quantized, int8 activations)");
+      TORCH_CHECK(methods[i] >= kPacked && methods[i] <= kGgufInt8,
+                  "DecodeLayers: method ", methods[i], " is not 0 (packed), 1 (quantized), 2 "
+                  "(quantized, int8 activations), 3 (GGUF parts) or 4 (GGUF parts, int8)");
       const Method method = static_cast<Method>(methods[i]);
       if (method == kQuantizedInt8 && !quantized_linear_int8_)
         quantized_linear_int8_ = level_op<QuantizedLinearFn>("quantized_linear_int8");
       Optional bias;
       if (biases[i].numel() > 0) bias = biases[i];
-      linears_.push_back({method, weights[i], bias, kinds[i], out_features[i]});
+      Linear linear{method, weights[i], bias, kinds[i], out_features[i], {}, {}};
+      if (method == kGguf || method == kGgufInt8) {
+        const char* name = method == kGguf ? "gguf_linear" : "gguf_linear_int8";
+        auto& op = method == kGguf ? gguf_linear_ : gguf_linear_int8_;
+        if (!op) op = level_op<GgufLinearFn>(name);
+        TORCH_CHECK(kinds[i] > 0 && next_part + kinds[i] <= gguf_parts.size(),
+                    "DecodeLayers: a GGUF linear's parts run past gguf_parts");
+        for (int64_t p = 0; p < kinds[i]; ++p, ++next_part) {
+          linear.parts.push_back(gguf_parts[next_part]);
+          linear.types.push_back(gguf_types[next_part]);
+        }
+      }
+      linears_.push_back(std::move(linear));
     }
+    TORCH_CHECK(next_part == gguf_parts.size(), "DecodeLayers: gguf_parts left over");
   }
 
   // Per layer (key cache, value cache), as the Python path's kv_caches.
@@ -226,6 +255,12 @@ class DecodeLayers : public torch::CustomClassHolder {
       case kQuantizedInt8:
         return quantized_linear_int8_->call(x, linear.weight, linear.kind, linear.bias,
                                             linear.out_features);
+      case kGguf:
+        return gguf_linear_->call(x, linear.parts, linear.types, linear.bias,
+                                  linear.out_features);
+      case kGgufInt8:
+        return gguf_linear_int8_->call(x, linear.parts, linear.types, linear.bias,
+                                       linear.out_features);
     }
     TORCH_CHECK(false, "DecodeLayers: bad linear method");
   }
@@ -250,6 +285,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   c10::TypedOperatorHandle<AttentionFn> paged_decode_attention_;
   // int8_linear.cpp's op, looked up only where a layer uses it.
   std::optional<c10::TypedOperatorHandle<QuantizedLinearFn>> quantized_linear_int8_;
+  std::optional<c10::TypedOperatorHandle<GgufLinearFn>> gguf_linear_, gguf_linear_int8_;
   std::optional<c10::TypedOperatorHandle<AllReduceFn>> all_reduce_;
   std::optional<c10::TypedOperatorHandle<AllGatherColumnsFn>> all_gather_columns_;
 };
@@ -261,7 +297,8 @@ PIPELLM_LIBRARY_FRAGMENT(m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
                        int64_t, int64_t, double, double, std::vector<int64_t>, int64_t,
-                       int64_t, at::Tensor, std::vector<int64_t>>())
+                       int64_t, at::Tensor, std::vector<int64_t>, std::vector<at::Tensor>,
+                       std::vector<int64_t>>())
       .def("set_caches", &DecodeLayers::set_caches)
       .def("forward", &DecodeLayers::forward);
 }

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from pipellm.loader.gguf_file import open_gguf
 from pipellm.loader.source import ModelSource
-from pipellm.model.gguf_linear import KERNEL_KINDS, QuantizedWeight
+from pipellm.model.gguf_linear import GGUF_KERNEL_TYPES, QuantizedWeight
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.stage_spec import StageSpec
 from pipellm.model.tp_plan import (
@@ -175,16 +175,39 @@ def iter_quantized_weights(
     stage: StageSpec,
     shard_of: ShardOf = _whole,
 ) -> Iterator[tuple[str, QuantizedWeight]]:
-    """Like iter_weights, but only the GGUF matrices pipellm's quantized kernel takes, in their
-    file bytes (rows in Hugging Face order); nothing for a safetensors checkpoint."""
+    """Like iter_weights, but only the GGUF matrices pipellm's kernels take as stored
+    (GGUF_KERNEL_TYPES), in their file bytes (rows in Hugging Face order); nothing for a
+    safetensors checkpoint."""
     if source.kind != "gguf":
         return
     tensors = _gguf_tensors(source.path)
     for name in _Stage(config, stage).weight_names(tensors):
         tensor = tensors.get(name)
-        if tensor is not None and tensor.tensor_type in KERNEL_KINDS and len(tensor.shape) == 2:
+        if (
+            tensor is not None
+            and tensor.tensor_type in GGUF_KERNEL_TYPES
+            and len(tensor.shape) == 2
+        ):
             blocks = _hf_shard(name, tensor, shard_of(name), config, _own_bytes)
             yield name, QuantizedWeight(tensor.tensor_type, blocks)
+
+
+def check_gguf_kernel_types(source: ModelSource) -> None:
+    """Raises ValueError naming the first matrix the model uses whose GGUF type pipellm's
+    kernels do not compute on (they would otherwise be dequantized to float32: 4-12x the
+    memory and the decode step's weight stream)."""
+    for name, tensor in _gguf_tensors(source.path).items():
+        kind = tensor.tensor_type
+        if len(tensor.shape) == 2 and kind not in GGUF_KERNEL_TYPES | {
+            gguf.GGMLQuantizationType.F32
+        }:
+            supported = ", ".join(sorted(t.name for t in GGUF_KERNEL_TYPES))
+            raise ValueError(
+                f"{source.path}: tensor {tensor.name!r} ({name}) is {kind.name}, which pipellm's "
+                f"GGUF kernels do not compute on (they take {supported} and F32); re-quantize "
+                f"the file to one of those (llama.cpp's llama-quantize), or set "
+                f"quantization='none' to load it dequantized to float32"
+            )
 
 
 def check_gguf_tensor_parallel(source: ModelSource, plans: list[TensorParallelPlan]) -> None:
@@ -218,9 +241,10 @@ def _iter_gguf(path: Path, stage: _Stage, dtype: torch.dtype) -> Iterator[tuple[
 
 
 def _own_bytes(tensor: gguf.ReaderTensor, data: np.ndarray) -> torch.Tensor:
-    """Quantized rows [rows, bytes] as they are in the file: owned, off the map."""
+    """Rows [rows, bytes] as they are in the file (gguf reads float16 ones as float16: viewed
+    back as their bytes): owned, off the map."""
     del tensor
-    return torch.from_numpy(data.copy())
+    return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).copy())
 
 
 def _hf_shard(

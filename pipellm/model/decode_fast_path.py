@@ -35,7 +35,7 @@ from pipellm.parallel.shm_comm import ShmComm
 
 FAST_PATH_ENV = "PIPELLM_DECODE_FAST_PATH"
 # DecodeLayers' linear methods (decode_layers.cpp's Method).
-_PACKED, _QUANTIZED, _QUANTIZED_INT8 = 0, 1, 2
+_PACKED, _QUANTIZED, _QUANTIZED_INT8, _GGUF, _GGUF_INT8 = 0, 1, 2, 3, 4
 
 
 def _method_and_kind(linear: nn.Module) -> tuple[int, int] | None:
@@ -49,6 +49,11 @@ def _method_and_kind(linear: nn.Module) -> tuple[int, int] | None:
             return _QUANTIZED, linear.kernel_kind
         if linear.int8_activations and linear.linear_op is kernels.quantized_linear_int8:
             return _QUANTIZED_INT8, linear.kernel_kind
+        # The stored parts: `kind` is how many (DecodeLayers takes them from gguf_parts).
+        if linear.linear_op is kernels.gguf_linear:
+            return _GGUF, len(linear.part_blocks)
+        if linear.int8_activations and linear.linear_op is kernels.gguf_linear_int8:
+            return _GGUF_INT8, len(linear.part_blocks)
     return None
 
 
@@ -83,13 +88,19 @@ class DecodeFastPath:
 
     def __init__(self, stage: nn.Module) -> None:
         norms, weights, biases, methods, kinds, out_features = [], [], [], [], [], []
-        no_bias = torch.empty(0)
+        gguf_parts, gguf_types = [], []
+        no_bias = no_weight = torch.empty(0)
         for layer in stage.layers:
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             attention, mlp = layer.self_attn, layer.mlp
             for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 method, kind = _method_and_kind(linear)
-                weights.append(linear.packed_weight)
+                if method in (_GGUF, _GGUF_INT8):
+                    weights.append(no_weight)
+                    gguf_parts += linear.part_blocks
+                    gguf_types += linear.part_types
+                else:
+                    weights.append(linear.packed_weight)
                 biases.append(no_bias if linear.bias is None else linear.bias.detach())
                 methods.append(method)
                 kinds.append(kind)
@@ -120,6 +131,8 @@ class DecodeFastPath:
             first.qkv_width if gathers else 0,
             gather_index,
             o_slice,
+            gguf_parts,
+            gguf_types,
         )
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 

@@ -1,11 +1,15 @@
-"""Linear layers that compute on a GGUF file's quantized weights (Q4_1, Q8_0) as they are.
+"""Linear layers that compute on a GGUF file's weights in the file's own types.
 
 A decode step streams every weight once, so on a CPU its time is the weights' bytes over the
-memory bandwidth. Kept at 4-5 bits (Q4_1) or 8.5 bits (Q8_0) a weight instead of 32, the
-stream is 4-6x smaller. pipellm's kernel (pipellm/kernels/quantized_linear.cpp) dequantizes
-slice by slice into cache and multiplies there; its results are bit-identical to those of the
-float32 weights `gguf` dequantizes (see the kernel's header for why), so the model computes
-exactly the same numbers, only faster.
+memory bandwidth. Kept at 2.6-8.5 bits a weight instead of 32, the stream is 4-12x smaller.
+Q4_1 and Q8_0 matrices are repacked at load for their own kernel
+(pipellm/kernels/quantized_linear.cpp); every other type the kernels take (GGUF_KERNEL_TYPES)
+computes on the file's row-major blocks as they are (pipellm/kernels/gguf_linear.cpp), and a
+fused q/k/v or gate/up whose parts the file stores in different types keeps each part in its
+own type. Both exact kernels are bit-identical to the float32 GEMM on the weights `gguf`
+dequantizes (see their headers for why), so the model computes exactly the same numbers, only
+faster; with int8 activations (`quantization="gguf_int8"`) x is rounded to 8 bits per 32
+values, as llama.cpp's dot products do.
 """
 
 from __future__ import annotations
@@ -21,8 +25,20 @@ from pipellm.kernels.cpu_kernels import ops
 
 PANEL = 16  # output columns per panel, as in the kernel
 BLOCK = 32  # input rows per GGUF block
-# GGUF type -> the kernel's `kind` argument.
+# GGUF type -> the repacking kernel's `kind` argument (quantized_linear.cpp, int8_linear.cpp).
 KERNEL_KINDS = {GGMLQuantizationType.Q4_1: 0, GGMLQuantizationType.Q8_0: 1}
+_T = GGMLQuantizationType
+# Every type the GGUF kernels take as stored (gguf_type_table.cpp; a test checks the two agree).
+GGUF_KERNEL_TYPES = frozenset(
+    {
+        _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0,
+        _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K,
+        _T.IQ4_NL, _T.IQ4_XS,
+        _T.F16, _T.BF16,
+    }
+)  # fmt: skip
+# Types with no int8-activation path: their exact path streams the same 16-bit values.
+FLOAT_TYPES = frozenset({_T.F16, _T.BF16})
 
 
 @dataclass(frozen=True)
@@ -37,13 +53,51 @@ class QuantizedWeight:
         block_values, block_bytes = GGML_QUANT_SIZES[self.kind]
         return self.blocks.shape[1] // block_bytes * block_values
 
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
 
-def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
-    """The weights stacked along their output rows (fused q/k/v, gate/up); None if their kinds
-    differ, since one kernel call takes one kind."""
+    @property
+    def parts(self) -> tuple[QuantizedWeight, ...]:
+        return (self,)
+
+
+@dataclass(frozen=True)
+class StackedWeight:
+    """Weights of different GGUF types stacked along their output rows (a fused q/k/v or
+    gate/up whose parts the file stores in different types): each part keeps its type."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def kind(self) -> str:
+        return "+".join(part.kind.name for part in self.parts)
+
+
+GgufWeight = QuantizedWeight | StackedWeight
+
+
+def stack_rows(parts: list[QuantizedWeight]) -> GgufWeight:
+    """The weights stacked along their output rows (fused q/k/v, gate/up): one tensor where
+    they share a type, else a StackedWeight that keeps each in its own."""
     if len({part.kind for part in parts}) != 1:
-        return None
+        return StackedWeight(tuple(parts))
+    if len(parts) == 1:
+        return parts[0]
     return QuantizedWeight(parts[0].kind, torch.cat([part.blocks for part in parts]))
+
+
+def has_int8_path(weight: GgufWeight) -> bool:
+    """Whether every part of the weight has an int8-activation kernel (16-bit floats do not)."""
+    return all(part.kind not in FLOAT_TYPES for part in weight.parts)
 
 
 def on_rows(op: Callable[..., torch.Tensor], x: torch.Tensor, *args: object) -> torch.Tensor:
@@ -125,44 +179,113 @@ def pack_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T + b with W in a GGUF quantized format, for float32 x on the CPU."""
+    """y = x W^T + b with W in GGUF types, for float32 x on the CPU."""
 
     def __init__(
         self,
-        weight: QuantizedWeight,
+        weight: GgufWeight,
         bias: torch.Tensor | None,
         level: str | None = None,
         int8_activations: bool = False,
     ) -> None:
         """level: the kernels' instruction-set level (default: the one chosen for this CPU).
         int8_activations: x rounded to int8 per 32 values and integer dot products
-        (`quantization="gguf_int8"`: faster, not bit-identical to float32)."""
+        (`quantization="gguf_int8"`: faster, not bit-identical to float32); a part in a
+        16-bit float type keeps the exact path."""
         super().__init__()
-        self.out_features, self.in_features = weight.blocks.shape[0], weight.in_features
+        self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bias = bias
         self.kind = weight.kind
-        self.kernel_kind = KERNEL_KINDS[weight.kind]
-        self.int8_activations = int8_activations
-        if int8_activations:
-            self.packed_weight = pack_int8_weight(weight)
-            self.linear_op = ops(level).quantized_linear_int8
+        self.int8_activations = int8_activations and has_int8_path(weight)
+        kernels = ops(level)
+        # Q4_1 and Q8_0 alone take their repacked kernels; everything else the stored blocks.
+        self.repacked = isinstance(weight, QuantizedWeight) and weight.kind in KERNEL_KINDS
+        if self.repacked:
+            self.kernel_kind = KERNEL_KINDS[weight.kind]
+            if self.int8_activations:
+                self.packed_weight = pack_int8_weight(weight)
+                self.linear_op = kernels.quantized_linear_int8
+            else:
+                self.packed_weight = pack_quantized_weight(weight)
+                self.linear_op = kernels.quantized_linear
+            self.weight_args: tuple[object, ...] = (self.packed_weight, self.kernel_kind)
         else:
-            self.packed_weight = pack_quantized_weight(weight)
-            self.linear_op = ops(level).quantized_linear
+            self.part_blocks = [part.blocks for part in weight.parts]
+            self.part_types = [int(part.kind) for part in weight.parts]
+            op = kernels.gguf_linear_int8 if self.int8_activations else kernels.gguf_linear
+            self.linear_op = op
+            self.weight_args = (self.part_blocks, self.part_types)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return on_rows(
-            self.linear_op,
-            x,
-            self.packed_weight,
-            self.kernel_kind,
-            self.bias,
-            self.out_features,
-        )
+        return on_rows(self.linear_op, x, *self.weight_args, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         int8 = ", int8 activations" if self.int8_activations else ""
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"{self.kind.name}{int8}"
+        kind = self.kind if isinstance(self.kind, str) else self.kind.name
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{int8}"
+
+
+class GgufEmbedding(nn.Module):
+    """The token embedding looked up on a GGUF matrix's stored rows: only the rows a batch
+    needs are dequantized (bit-identical to `gguf`'s float32), so the table stays as small as
+    in the file (Gemma 3's 262,144 x 640 Q8_0 table: 178 MB, not 671 MB). Where a tied lm_head
+    repacks the same Q8_0 table for its kernel, the lookup reads the rows from that copy
+    instead (share_head), so the stage holds the table once.
+
+    `weight` is the meta-device parameter of the nn.Embedding it replaces: a tied lm_head
+    takes it as a placeholder before it becomes a QuantizedLinear on the same blocks."""
+
+    def __init__(
+        self, weight: QuantizedWeight, meta_weight: nn.Parameter, level: str | None = None
+    ):
+        super().__init__()
+        self.table: QuantizedWeight | None = weight
+        self.kind, self.rows, self.hidden = weight.kind, weight.out_features, weight.in_features
+        self.weight = meta_weight
+        self.embedding_op = ops(level).gguf_embedding
+        self.head: QuantizedLinear | None = None
+
+    def share_head(self, head: nn.Module) -> bool:
+        """Reads rows from `head`'s repacked weight and drops the stored table, if head is a
+        repacked Q8_0 QuantizedLinear of the same table (a tied lm_head); returns whether."""
+        shares = (
+            isinstance(head, QuantizedLinear)
+            and head.repacked
+            and head.kind == self.kind == GGMLQuantizationType.Q8_0
+            and (head.out_features, head.in_features) == (self.rows, self.hidden)
         )
+        if shares:
+            self.head, self.table = head, None
+        return shares
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.embedding_op(token_ids, self.table.blocks, int(self.kind), self.hidden)
+        return self._rows_from_head(token_ids)
+
+    def _rows_from_head(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the head's repacked Q8_0 records (pack_quantized_weight or, with int8
+        activations, pack_int8_weight): per panel of 16 rows and 32-value block, 16 float16
+        scales, then the quants by depth and column (+ 128, in lanes of 4 depths, for int8)."""
+        flat = token_ids.reshape(-1)
+        if flat.numel() and (flat.min() < 0 or flat.max() >= self.rows):
+            raise IndexError(f"token ids must be in [0, {self.rows}): got {flat.tolist()}")
+        panel, column = flat // PANEL, flat % PANEL
+        records = self.head.packed_weight[panel]  # [n, blocks, bytes]
+        n, blocks = records.shape[:2]
+        rows = torch.arange(n)
+        pairs = records[:, :, : 2 * PANEL].reshape(n, blocks, PANEL, 2)[rows, :, column]
+        scales = pairs.contiguous().view(torch.float16).float()  # [n, blocks, 1]
+        quants = records[:, :, 2 * PANEL :]
+        if self.head.int8_activations:
+            lanes = quants.reshape(n, blocks, BLOCK // 4, PANEL, 4)[rows, :, :, column]
+            q = lanes.reshape(n, blocks, BLOCK).to(torch.int16) - 128
+        else:
+            q = quants.reshape(n, blocks, BLOCK, PANEL)[rows, :, :, column].view(torch.int8)
+        # q d in float32, as `gguf` dequantizes Q8_0: the same bits.
+        values = q.float() * scales
+        return values.reshape(*token_ids.shape, self.hidden)
+
+    def extra_repr(self) -> str:
+        where = "stored rows" if self.table is not None else "the lm_head's records"
+        return f"{self.rows}, {self.hidden}, {self.kind.name}, from {where}"

@@ -10,6 +10,7 @@ import torch
 from pipellm.config import EngineConfig
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
 from pipellm.loader.weights import iter_quantized_weights, iter_weights
+from pipellm.model.gguf_linear import GgufEmbedding
 from pipellm.model.llama import LlamaStage
 from pipellm.model.logits_rules import OutputTokenCounts, RowRules
 from pipellm.model.sampler import sample
@@ -67,26 +68,35 @@ class StageWorker:
         self.model = LlamaStage(mc, stage, config.torch_dtype, tp, comm)
         # GGUF weights the kernel takes as stored are never dequantized: the load's peak
         # memory is then the quantized model, not the float32 one.
-        quantized = {}
+        checkpoint, quantized = {}, {}
         if config.quantization.startswith("gguf") and cpu_kernels_available():
-            checkpoint = iter_quantized_weights(config.source, mc, stage, shard_of)
-            quantized = self.model.quantized_linears(dict(checkpoint))
+            checkpoint = dict(iter_quantized_weights(config.source, mc, stage, shard_of))
+            quantized = self.model.quantized_linears(checkpoint)
+        # The token embedding is looked up on its stored rows where the kernels take its type.
+        embedding = checkpoint.get("model.embed_tokens.weight")
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
         else:
             skip = {shard for module in quantized for shard, _ in self.model.weight_shards(module)}
-            if self.is_first:
+            if embedding is not None:
+                skip.add("model.embed_tokens.weight")
+            elif self.is_first:
                 skip.discard("model.embed_tokens.weight")  # the lookup needs its float32 rows
             self.model.load_weights(
                 iter_weights(config.source, mc, stage, config.torch_dtype, skip, shard_of),
                 skipped=skip,
             )
+            if embedding is not None and self.model.embed_tokens is not None:
+                meta_weight = self.model.embed_tokens.weight
+                self.model.embed_tokens = GgufEmbedding(embedding, meta_weight)
         self.model.prepare_for_inference(
             prepack=True,
             quantized=quantized,
             int8_activations=config.quantization == "gguf_int8",
         )
         self.model.eval()
+        if isinstance(self.model.embed_tokens, GgufEmbedding) and mc.tie_word_embeddings:
+            self.model.embed_tokens.share_head(self.model.lm_head)  # one copy of the table
         cache_shape = (config.num_kv_blocks, config.block_size, tp.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             (

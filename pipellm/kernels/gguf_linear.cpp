@@ -1,0 +1,320 @@
+// y = x W^T + b with W in any GGUF type the table holds (gguf_type_table.cpp), kept in the
+// file's own row-major blocks; W may be several parts of different types stacked by rows (a
+// fused q/k/v or gate/up whose parts the file stores in different types). And the embedding
+// lookup on such rows.
+//
+// Exact path (gguf_linear): for each panel of 16 output columns and each 256-deep slice, the
+// 16 rows' values are dequantized (each by its type's to_float, bit-identical to `gguf`'s
+// float32) and transposed into an L1-sized float32 slice, then multiplied by the same register
+// blocks as packed_linear, in the same order: the outputs are bit-identical to packing the
+// dequantized weights.
+//
+// Int8-activation path (gguf_linear_int8): x is rounded to int8 per 32 values (scale
+// max|x| / 127, nearest), as llama.cpp's dot products round their activations; each weight
+// row is decoded once into int8 q with a (D, M) per 16 values and dotted with every row of x
+// in integers (vpmaddubsw + vpmaddwd), each 16 values' sum folded in with D dx, and the
+// offsets M with the sums of x's int8 values.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "gemm_microkernel.h"
+#include "gguf_types.h"
+#include "kernel_library.h"
+#include "panel_output.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+namespace pipellm_gguf {
+namespace {
+
+using pipellm_kernels::for_each_row_block;
+using pipellm_kernels::kPanel;
+using pipellm_kernels::kRowBlock;
+using pipellm_kernels::PanelOutput;
+
+constexpr int64_t kSliceDepth = 256;  // a multiple of every type's block
+constexpr int64_t kRowsBlock = 192;   // rows of x per pass over the weights (L2-sized)
+constexpr int64_t kXBlock = 32;       // values of x per int8 scale
+
+// One output row of W: its blocks and type.
+struct WeightRow {
+  const uint8_t* blocks;
+  const GgufType* type;
+};
+
+// The rows of parts stacked in order, checked against the type list and depth.
+std::vector<WeightRow> weight_rows(at::TensorList parts, at::IntArrayRef types, int64_t depth,
+                                   const char* op) {
+  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), op,
+              ": one GGUF type per weight part");
+  std::vector<WeightRow> rows;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const GgufType* type = find_gguf_type(types[i]);
+    TORCH_CHECK(type != nullptr, op, ": GGUF type ", types[i], " has no kernel");
+    const at::Tensor& part = parts[i];
+    TORCH_CHECK(part.scalar_type() == at::kByte && part.dim() == 2 && part.is_contiguous(), op,
+                ": each weight part is a contiguous uint8 [rows, bytes] tensor");
+    TORCH_CHECK(depth % type->block_values == 0 &&
+                    part.size(1) == depth / type->block_values * type->block_bytes,
+                op, ": a ", type->name, " part of ", part.size(1), " bytes a row does not hold ",
+                depth, " values");
+    const uint8_t* base = part.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < part.size(0); ++r)
+      rows.push_back({base + r * part.size(1), type});
+  }
+  return rows;
+}
+
+// tmp [16][n] (row c: column c's values) -> slice [n][16], n a multiple of 8.
+void transpose_into_slice(const float* tmp, int64_t n, float* slice) {
+  for (int64_t k0 = 0; k0 < n; k0 += 8)
+    for (int64_t c0 = 0; c0 < kPanel; c0 += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(tmp + (c0 + i) * kSliceDepth + k0);
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j) {
+          const __m256 a = t[4 * i + j], b = t[4 * i + j + 2];
+          r[4 * i + 2 * j] = _mm256_shuffle_ps(a, b, 0x44);
+          r[4 * i + 2 * j + 1] = _mm256_shuffle_ps(a, b, 0xEE);
+        }
+      // r[i], i < 4: columns c0..c0+3 at depth k0 + i (low half) and k0 + i + 4 (high half);
+      // r[4 + i]: the same for columns c0+4..c0+7.
+      for (int i = 0; i < 4; ++i) {
+        const __m256 lo = r[i], hi = r[4 + i];
+        _mm256_storeu_ps(slice + (k0 + i) * kPanel + c0, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(slice + (k0 + i + 4) * kPanel + c0,
+                         _mm256_permute2f128_ps(lo, hi, 0x31));
+      }
+    }
+}
+
+at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArrayRef types,
+                       const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
+              "gguf_linear: x must be a 2-D float32 CPU tensor");
+  const int64_t m = input.size(0), depth = input.size(1);
+  const std::vector<WeightRow> rows = weight_rows(parts, types, depth, "gguf_linear");
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == out_features,
+              "gguf_linear: the parts hold ", rows.size(), " rows, not ", out_features);
+  const at::Tensor x = input.contiguous();
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  PanelOutput y(m, out_features, panels, bias, x.options());
+  if (y.empty()) return y.finish();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    alignas(64) float tmp[kPanel * kSliceDepth];
+    alignas(64) float slice[kSliceDepth * kPanel];
+    auto panel_slice = [&](int64_t p, int64_t k0, int64_t m0, int64_t m1) {
+      const int64_t k1 = std::min(depth, k0 + kSliceDepth), n = k1 - k0;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t column = p * kPanel + c;
+        float* dst = tmp + c * kSliceDepth;
+        if (column >= out_features) {
+          std::fill(dst, dst + n, 0.0f);
+          continue;
+        }
+        const WeightRow& row = rows[column];
+        const int64_t bv = row.type->block_values;
+        row.type->to_float(row.blocks, k0 / bv, n / bv, dst);
+      }
+      transpose_into_slice(tmp, n, slice);
+      float* dst = y.dst(p);
+      const int64_t ld = y.ld(p);
+      for_each_row_block(m0, m1, [&](int64_t r, int64_t count) {
+        kRowBlock[count](xp + r * depth + k0, depth, slice, 0, n, dst + r * ld, ld, k0 > 0,
+                         y.bias(p), nullptr);
+      });
+    };
+    const int64_t passes = (m + kRowsBlock - 1) / kRowsBlock;
+    for (int64_t i = 0, m0 = 0; i < passes; ++i) {
+      const int64_t m1 = m0 + m / passes + (i < m % passes ? 1 : 0);
+      for (int64_t k0 = 0; k0 < depth; k0 += kSliceDepth)
+        for (int64_t p = first; p < last; ++p) panel_slice(p, k0, m0, m1);
+      m0 = m1;
+    }
+  });
+  return y.finish();
+}
+
+// x rounded to int8 per 32 values, with each block's scale and the sums of its two halves.
+struct Int8Rows {
+  std::vector<int8_t> q;      // [m, depth]
+  std::vector<float> scale;   // [m, depth / 32]
+  std::vector<int32_t> sums;  // [m, depth / 16]
+};
+
+void quantize_block(const float* v, int8_t* q, float* scale, int32_t* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 x[4], amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, x[i]));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax8);
+  const float amax = *std::max_element(lanes, lanes + 8);
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  alignas(32) int32_t qi[32];
+  for (int i = 0; i < 4; ++i)  // nearest, ties to even (the default rounding mode)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * i),
+                       _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(inverse))));
+  int32_t s0 = 0, s1 = 0;
+  for (int i = 0; i < 16; ++i) s0 += qi[i], s1 += qi[16 + i];
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(qi[i]);
+  *scale = amax / 127.0f;
+  sums[0] = s0, sums[1] = s1;
+}
+
+void quantize_rows(const float* x, int64_t m, int64_t depth, Int8Rows& out) {
+  const int64_t blocks = m * depth / kXBlock;
+  out.q.resize(m * depth);
+  out.scale.resize(blocks);
+  out.sums.resize(2 * blocks);
+  at::parallel_for(0, blocks, 64, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i)
+      quantize_block(x + i * kXBlock, out.q.data() + i * kXBlock, &out.scale[i],
+                     &out.sums[2 * i]);
+  });
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+constexpr int kRowsAtOnce = 4;  // rows of x per pass over a decoded weight row
+
+// One decoded weight row times rows [r0, r0 + R) of x.
+template <int R>
+void dot_rows(const int8_t* wq, const float* wscale, const float* woffset, bool has_offset,
+              const Int8Rows& xq, int64_t r0, int64_t depth, float bias, float* y,
+              int64_t ldy) {
+  const int64_t groups = depth / kXBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float offsets[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), offsets[r] = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + g * kXBlock));
+    const __m256i magnitude = _mm256_abs_epi8(w);
+    const __m256 d = _mm256_set_m128(_mm_set1_ps(wscale[2 * g + 1]), _mm_set1_ps(wscale[2 * g]));
+    for (int r = 0; r < R; ++r) {
+      const int64_t block = (r0 + r) * groups + g;
+      const __m256i xv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + block * kXBlock));
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, w));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      const float dx = xq.scale[block];
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
+      if (has_offset)
+        offsets[r] += dx * (woffset[2 * g] * static_cast<float>(xq.sums[2 * block]) +
+                            woffset[2 * g + 1] * static_cast<float>(xq.sums[2 * block + 1]));
+    }
+  }
+  for (int r = 0; r < R; ++r) y[(r0 + r) * ldy] = horizontal_sum(acc[r]) + offsets[r] + bias;
+}
+
+struct DecodedRow {
+  std::vector<int8_t> q;
+  std::vector<float> scale, offset;
+};
+
+at::Tensor gguf_linear_int8(const at::Tensor& input, at::TensorList parts, at::IntArrayRef types,
+                            const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
+              "gguf_linear_int8: x must be a 2-D float32 CPU tensor");
+  const int64_t m = input.size(0), depth = input.size(1);
+  const std::vector<WeightRow> rows = weight_rows(parts, types, depth, "gguf_linear_int8");
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == out_features,
+              "gguf_linear_int8: the parts hold ", rows.size(), " rows, not ", out_features);
+  for (const WeightRow& row : rows)
+    TORCH_CHECK(row.type->decode != nullptr, "gguf_linear_int8: ", row.type->name,
+                " has no int8-activation path; use gguf_linear");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) TORCH_CHECK(bias->numel() == out_features, "the bias needs out_features values");
+  const at::Tensor x = input.contiguous();
+  at::Tensor out = at::empty({m, out_features}, x.options());
+  if (m == 0 || out_features == 0) return out;
+  // Kept per calling thread and reused (decode makes a hundred calls a step); the workers
+  // below read the caller's through this reference, not their own thread_local copies.
+  thread_local Int8Rows buffer;
+  Int8Rows& xq = buffer;
+  quantize_rows(x.data_ptr<float>(), m, depth, xq);
+  const at::Tensor bias_tensor = has_bias ? bias->contiguous() : at::Tensor();
+  const float* bias_values = has_bias ? bias_tensor.data_ptr<float>() : nullptr;
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+    DecodedRow decoded;
+    decoded.q.resize(depth);
+    decoded.scale.resize(depth / kSubBlock);
+    decoded.offset.resize(depth / kSubBlock);
+    for (int64_t n = first; n < last; ++n) {
+      const GgufType* type = rows[n].type;
+      const int64_t bv = type->block_values, per_block = bv / kSubBlock;
+      for (int64_t b = 0; b < depth / bv; ++b)
+        type->decode(rows[n].blocks + b * type->block_bytes, decoded.q.data() + b * bv,
+                     decoded.scale.data() + b * per_block, decoded.offset.data() + b * per_block);
+      const float b0 = bias_values ? bias_values[n] : 0.0f;
+      int64_t r = 0;
+      for (; r + kRowsAtOnce <= m; r += kRowsAtOnce)
+        dot_rows<kRowsAtOnce>(decoded.q.data(), decoded.scale.data(), decoded.offset.data(),
+                              type->has_offset, xq, r, depth, b0, y + n, out_features);
+      for (; r < m; ++r)
+        dot_rows<1>(decoded.q.data(), decoded.scale.data(), decoded.offset.data(),
+                    type->has_offset, xq, r, depth, b0, y + n, out_features);
+    }
+  });
+  return out;
+}
+
+// Rows `ids` of a GGUF matrix [vocab, hidden] as float32 [n, hidden]: the embedding lookup,
+// reading only the rows it needs (bit-identical to `gguf`'s dequantized rows).
+at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& blocks, int64_t ggml_type,
+                          int64_t hidden) {
+  const GgufType* type = find_gguf_type(ggml_type);
+  TORCH_CHECK(type != nullptr, "gguf_embedding: GGUF type ", ggml_type, " has no kernel");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  hidden % type->block_values == 0 &&
+                  blocks.size(1) == hidden / type->block_values * type->block_bytes,
+              "gguf_embedding: the table is not a uint8 [rows, bytes] ", type->name,
+              " tensor of ", hidden, " values a row");
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t n = flat.numel(), vocab = blocks.size(0);
+  std::vector<int64_t> sizes(ids.sizes().begin(), ids.sizes().end());
+  sizes.push_back(hidden);
+  at::Tensor out = at::empty({n, hidden}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "gguf_embedding: token id ", id[i],
+                " is outside the table's ", vocab, " rows");
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, n, 8, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i)
+      type->to_float(base + id[i] * blocks.size(1), 0, hidden / type->block_values,
+                     dst + i * hidden);
+  });
+  return out.view(sizes);
+}
+
+}  // namespace
+}  // namespace pipellm_gguf
+
+PIPELLM_LIBRARY_FRAGMENT(m) {
+  m.def("gguf_linear(Tensor x, Tensor[] parts, int[] types, Tensor? bias, int out_features) "
+        "-> Tensor",
+        &pipellm_gguf::gguf_linear);
+  m.def("gguf_linear_int8(Tensor x, Tensor[] parts, int[] types, Tensor? bias, "
+        "int out_features) -> Tensor",
+        &pipellm_gguf::gguf_linear_int8);
+  m.def("gguf_embedding(Tensor ids, Tensor blocks, int type, int hidden) -> Tensor",
+        &pipellm_gguf::gguf_embedding);
+}

@@ -1,0 +1,139 @@
+"""A GGUF model whose tensors mix types loads each in its own type, with no float32 copy of a
+quantized matrix; a file the kernels cannot take is refused before any process starts, naming
+the tensor and its type."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf_blocks import random_blocks, write_tiny_llama_gguf
+
+from pipellm.config import EngineConfig
+from pipellm.kernels.cpu_kernels import why_unavailable
+from pipellm.model.gguf_linear import GgufEmbedding, QuantizedLinear
+from pipellm.worker.worker import StageWorker
+
+T = GGMLQuantizationType
+# A K-quant mix as llama.cpp's quantizer writes one, and every other type once.
+MIXED_TYPES = {
+    "blk.0.attn_q.weight": T.Q5_0,
+    "blk.0.attn_k.weight": T.Q4_K,
+    "blk.0.attn_v.weight": T.Q6_K,
+    "blk.0.ffn_gate.weight": T.Q4_K,
+    "blk.0.ffn_up.weight": T.Q5_K,
+    "blk.0.ffn_down.weight": T.Q4_0,
+    "blk.1.attn_q.weight": T.IQ4_NL,
+    "blk.1.attn_k.weight": T.F16,
+    "blk.1.attn_v.weight": T.BF16,
+    "blk.1.attn_output.weight": T.Q3_K,
+    "blk.1.ffn_up.weight": T.Q2_K,
+    "blk.1.ffn_gate.weight": T.Q5_1,
+    "blk.1.ffn_down.weight": T.IQ4_XS,
+    "token_embd.weight": T.Q6_K,
+}
+needs_kernels = pytest.mark.skipif(
+    why_unavailable() is not None, reason=f"CPU kernels unavailable: {why_unavailable()}"
+)
+
+
+def linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedLinear) or "proj" in name or name == "lm_head"
+    }
+
+
+@needs_kernels
+@pytest.mark.parametrize("tied", [True, False])
+def test_mixed_types_load_as_stored_and_compute_as_float32(tmp_path, tied):
+    path = tmp_path / "mixed.gguf"
+    write_tiny_llama_gguf(path, MIXED_TYPES, tied=tied)
+    quantized = StageWorker(EngineConfig(model=str(path)), 0).model
+    reference = StageWorker(EngineConfig(model=str(path), quantization="none"), 0).model
+    assert isinstance(quantized.embed_tokens, GgufEmbedding)
+    assert quantized.embed_tokens.table.kind == T.Q6_K
+    kinds = {name: layer.kind for name, layer in linears(quantized).items()}
+    assert kinds["layers.0.self_attn.qkv_proj"] == "Q5_0+Q4_K+Q6_K"
+    assert kinds["layers.0.mlp.gate_up_proj"] == "Q4_K+Q5_K"
+    assert kinds["layers.1.self_attn.qkv_proj"] == "IQ4_NL+F16+BF16"
+    assert kinds["layers.1.mlp.gate_up_proj"] == "Q5_1+Q2_K"
+    assert kinds["layers.1.mlp.down_proj"] == T.IQ4_XS
+    assert kinds["lm_head"] == (T.Q6_K if tied else T.Q8_0)
+    # No float32 matrix anywhere: every parameter left is a norm (or a meta placeholder).
+    for name, parameter in quantized.named_parameters():
+        assert parameter.dim() == 1 or parameter.is_meta, name
+    ids = torch.tensor([0, 5, 95, 17])
+    assert torch.equal(quantized.embed_tokens(ids), reference.embed_tokens(ids))
+    reference_linears = linears(reference)
+    x = torch.randn(3, 512)
+    for name, layer in linears(quantized).items():
+        rows = x[:, : layer.in_features]
+        # The same weights as the float32 model's (q/k rows unpermuted alike), same results.
+        torch.testing.assert_close(layer(rows), reference_linears[name](rows), rtol=0, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["gguf", "gguf_int8"])
+def test_a_tied_q8_0_table_is_held_once(tmp_path, quantization):
+    path = tmp_path / "tied.gguf"
+    values = write_tiny_llama_gguf(path, {}, default=T.Q8_0, tied=True)
+    model = StageWorker(EngineConfig(model=str(path), quantization=quantization), 0).model
+    embedding = model.embed_tokens
+    assert embedding.table is None and embedding.head is model.lm_head
+    ids = torch.tensor([[0, 15, 16], [95, 47, 3]])
+    expected = torch.from_numpy(values["token_embd.weight"])[ids]
+    assert torch.equal(embedding(ids), expected)
+    with pytest.raises(IndexError, match=r"\[0, 96\)"):
+        embedding(torch.tensor([96]))
+
+
+def test_truncated_file_names_the_tensor(tmp_path):
+    path = tmp_path / "cut.gguf"
+    write_tiny_llama_gguf(path, {})
+    os.truncate(path, path.stat().st_size - 1000)
+    with pytest.raises(ValueError, match=r"tensor 'output_norm.weight' \(F32.*truncated"):
+        EngineConfig(model=str(path))
+
+
+@needs_kernels
+def test_a_type_the_kernels_do_not_take_is_refused(tmp_path):
+    path = tmp_path / "ternary.gguf"
+    write_tiny_llama_gguf(path, {"blk.1.ffn_up.weight": T.TQ1_0})
+    with pytest.raises(ValueError, match=r"'blk.1.ffn_up.weight'.* is TQ1_0.*quantization='none'"):
+        EngineConfig(model=str(path))
+    assert EngineConfig(model=str(path), quantization="none").quantization == "none"
+
+
+def test_rows_that_are_not_whole_blocks_are_refused(tmp_path):
+    path = tmp_path / "ragged.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    blocks = random_blocks(T.Q4_K, 4, 256, seed=0)
+    # A header that claims 200-value rows for 144-byte Q4_K rows (one 256-value block each).
+    writer.add_tensor_info(
+        "blk.0.attn_q.weight", (4, 200), np.dtype(np.float32), blocks.nbytes, T.Q4_K
+    )
+    writer.tensors[-1]["blk.0.attn_q.weight"].tensor = blocks
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from pipellm.loader.gguf_file import GGUFFile
+
+    with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' \(Q4_K.*rows of 200 values"):
+        GGUFFile(path)
+
+
+def test_tensor_parallelism_splits_k_quants_only_on_whole_blocks(tmp_path):
+    path = tmp_path / "k.gguf"
+    # ffn_down's 512 input columns split in two 256-value blocks; attn_output's 256 cannot.
+    write_tiny_llama_gguf(path, {"blk.0.ffn_down.weight": T.Q4_K, "blk.1.ffn_down.weight": T.Q6_K})
+    EngineConfig(model=str(path), tensor_parallel_size=2)
+    write_tiny_llama_gguf(path.with_name("o.gguf"), {"blk.1.attn_output.weight": T.Q4_K})
+    with pytest.raises(ValueError, match=r"o_proj.*\[0, 128\).*blocks of 256 values"):
+        EngineConfig(model=str(path.with_name("o.gguf")), tensor_parallel_size=2)
