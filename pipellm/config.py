@@ -312,7 +312,7 @@ class EngineConfig:
         try:
             plans = [plan_tensor_parallel(self.model_config, size, r) for r in range(size)]
             if self.source.kind == "gguf" and self.load_format != "dummy":
-                check_gguf_tensor_parallel(self.source, plans)
+                check_gguf_tensor_parallel(self.source, self.model_config, plans)
         except TensorParallelError as error:
             raise ConfigError(f"invalid setting {error}") from None
 

@@ -36,7 +36,18 @@ _CONFIG_CLASSES = {
     "llama": transformers.LlamaConfig,
     "tied": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
     "mistral": transformers.MistralConfig,
+    "gemma3": transformers.Gemma3TextConfig,
+}
+# A sliding window far shorter than the tests' prompts (tests/test_model_families.py).
+TINY_SLIDING_WINDOW = 8
+# Per family, what its tiny checkpoint sets beyond the shared shape: Gemma 3's head_dim is
+# not hidden / heads and its attention scale not head_dim's, as in the real models; its five
+# local layers then one global one (6 layers) use a window of TINY_SLIDING_WINDOW.
+_FAMILY_KWARGS = {
+    "gemma3": dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_SLIDING_WINDOW),
+    "qwen3": dict(head_dim=16),
 }
 
 
@@ -59,7 +70,7 @@ def make_tiny_tokenizer(vocab_size: int = 300) -> tokenizers.Tokenizer:
 def make_tiny_checkpoint(
     directory: Path,
     arch: str = "llama",
-    num_layers: int = 4,
+    num_layers: int | None = None,
     seed: int = 0,
     max_shard_size: str | None = None,
     num_kv_heads: int = 2,
@@ -67,9 +78,10 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a tiny seeded Hugging Face checkpoint into `directory` and return it.
 
-    arch: "llama", "qwen2" (q/k/v biases), "mistral", or "tied" (llama with lm_head tied to the
-    embedding). Shape: hidden 64, 4 heads of 16 with 2 KV heads (GQA), intermediate 128,
-    max_position_embeddings 512, vocabulary = the tiny tokenizer's (300 tokens). Every weight,
+    arch: "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms), "mistral", "tied" (llama
+    with lm_head tied to the embedding) or "gemma3" (see _FAMILY_KWARGS; tied, as Gemma is).
+    Shape: 4 layers (Gemma 3: 6), hidden 64, 4 heads of 16 with 2 KV heads (GQA), intermediate
+    128, max_position_embeddings 512, vocabulary = the tiny tokenizer's (300 tokens). Every weight,
     biases and norms included, is random (std 0.1) so that logits are decisive and a wrongly
     loaded tensor shows. max_shard_size (e.g. "20KB") splits the weights into several
     .safetensors files with model.safetensors.index.json; num_kv_heads=1 makes KV heads fewer
@@ -84,19 +96,22 @@ def make_tiny_checkpoint(
         vocab_size=tokenizer.get_vocab_size(),
         hidden_size=16 * num_heads,
         intermediate_size=128,
-        num_hidden_layers=num_layers,
+        num_hidden_layers=num_layers or (6 if arch == "gemma3" else 4),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         bos_token_id=BOS_TOKEN_ID,
         eos_token_id=EOS_TOKEN_ID,
-        tie_word_embeddings=arch == "tied",
+        tie_word_embeddings=arch in ("tied", "gemma3"),
+        **_FAMILY_KWARGS.get(arch, {}),
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and arch == "gemma3":  # Gemma's norms scale by (1 + w)
+                param.normal_(0, 0.1)
+            elif "norm" in name:
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0, 0.1)
