@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import tokenizers
 import torch
 import transformers
@@ -127,3 +129,113 @@ def make_tiny_checkpoint(
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return directory
+
+
+# Hugging Face names -> llama.cpp's, as convert_hf_to_gguf.py writes them.
+_GGUF_GLOBAL = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+_GGUF_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+_GGUF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def _gguf_tensor_name(name: str) -> str:
+    base, suffix = name.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, layer, part = base.split(".", 3)
+        return f"blk.{layer}.{_GGUF_LAYER[part]}.{suffix}"
+    return f"{_GGUF_GLOBAL[base]}.{suffix}"
+
+
+def _rope_permuted(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's q/k row order for the llama architecture: each head's
+    rotate-half rows (first half, second half) as interleaved pairs."""
+    shape = weight.shape
+    return (
+        weight.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:])
+        .swapaxes(1, 2)
+        .reshape(shape)
+    )
+
+
+def write_tiny_gguf(
+    folder: Path,
+    path: Path,
+    architecture: str | None = None,
+    tokenizer_model: str = "gpt2",
+    metadata: dict[str, str] | None = None,
+) -> Path:
+    """The tiny checkpoint in `folder` as a float32 GGUF file, laid out as llama.cpp's converter
+    writes Llama (q/k rows permuted; Llama 3 RoPE scaling as a rope_freqs tensor), Qwen2 and
+    Qwen3; its byte-level BPE tokenizer with the gpt-2 pre-tokenizer. `architecture`,
+    `tokenizer_model` and `metadata` (string fields added) write what pipellm refuses."""
+    from safetensors.numpy import load_file
+
+    from pipellm.loader.source import load_model_config, resolve_model
+    from pipellm.model.rope import inverse_frequencies
+
+    config = load_model_config(resolve_model(str(folder)))
+    arch = architecture or _GGUF_ARCHITECTURES[config.architecture]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
+    )
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(BOS_TOKEN_ID)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+    for key, value in (metadata or {}).items():
+        writer.add_string(key, value)
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    for name, weight in tensors.items():
+        if arch == "llama" and ".q_proj." in name:
+            weight = _rope_permuted(weight, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            weight = _rope_permuted(weight, config.num_key_value_heads)
+        writer.add_tensor(_gguf_tensor_name(name), np.ascontiguousarray(weight, np.float32))
+    if config.rope_scaling is not None:  # Llama 3: each pair's divisor of its frequency
+        args = (config.head_dim, config.rope_theta)
+        plain, _ = inverse_frequencies(*args, None, config.max_position_embeddings)
+        scaled, _ = inverse_frequencies(*args, config.rope_scaling, config.max_position_embeddings)
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

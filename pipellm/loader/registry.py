@@ -10,6 +10,13 @@ from pathlib import Path
 
 BUILTIN_DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+# What the MODEL argument loads, for `--help`.
+MODEL_ARGUMENT_HELP = (
+    "a local Hugging Face folder (architectures: Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3, "
+    "Gemma 3 text), a .gguf file (general.architecture: llama, qwen2, qwen3, gemma3), or a "
+    "built-in preset: smollm2 (the default), gemma-3-270m"
+)
+
 
 @dataclass(frozen=True)
 class Preset:

@@ -11,7 +11,7 @@ import numpy as np
 
 from pipellm.loader.gguf_file import GGUFFile, gguf_eos_token_ids, gguf_value, open_gguf
 from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset, preset_names
-from pipellm.model.model_config import ModelConfig
+from pipellm.model.model_config import ACTIVATIONS, ModelConfig
 from pipellm.model.rope import SUPPORTED as SUPPORTED_ROPE_TYPES
 from pipellm.model.rope import rope_type
 
@@ -143,6 +143,13 @@ def _config_from_hf(folder: Path) -> ModelConfig:
                 f"{path}: {key} = {cfg[key]!r} is not supported (pipellm runs {architecture} "
                 f"without it)."
             )
+    activation_key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    activation = cfg.get(activation_key) or "silu"
+    if activation not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{path}: {activation_key} = {activation!r} is not supported; pipellm runs "
+            f"{', '.join(ACTIVATIONS)}."
+        )
     try:
         hidden_size, num_heads = cfg["hidden_size"], cfg["num_attention_heads"]
         num_layers = cfg["num_hidden_layers"]
@@ -169,7 +176,7 @@ def _config_from_hf(folder: Path) -> ModelConfig:
             rope_scaling=rope.scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_token_ids(cfg, folder),
-            hidden_activation=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            hidden_activation=activation,
             qk_norm=architecture in _QK_NORM_ARCHITECTURES,
             sandwich_norms=gemma,
             norm_weight_offset=1.0 if gemma else 0.0,
@@ -181,8 +188,6 @@ def _config_from_hf(folder: Path) -> ModelConfig:
         )
     except KeyError as missing:
         raise ValueError(f"{path} lacks the field {missing}") from None
-    except ValueError as error:  # ModelConfig's own checks
-        raise UnsupportedModelError(f"{path}: {error}") from None
 
 
 def _hf_sliding_window(
