@@ -5,12 +5,14 @@ one, and every prompt is longer than the window."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipellm import LLM, SamplingParams
 from pipellm.kernels.cpu_kernels import cpu_kernels_available
 from pipellm.loader.source import load_model_config, resolve_model
-from tests.checkpoints import TINY_SLIDING_WINDOW
+from tests.checkpoints import TINY_SLIDING_WINDOW, make_tiny_checkpoint
 from tests.test_generate import (
     NUM_NEW_TOKENS,
     build_case,
@@ -65,6 +67,18 @@ _PREEMPTING = dict(kv_cache_memory=12 * 16 * 2 * 6 * 2 * 32 * 4, max_model_len=1
 def test_gemma3_scheduling_choices_do_not_change_tokens(gemma3, engine_args, reaped):
     directory, prompts, expected = gemma3
     assert generate(directory, prompts, **engine_args) == expected
+
+
+def test_mistral_sliding_window_on_every_layer(tmp_path):
+    """Mistral's `sliding_window` applies to all its layers (no layer_types in its config)."""
+    directory = make_tiny_checkpoint(tmp_path / "mistral", arch="mistral")
+    config = json.loads((directory / "config.json").read_text())
+    config["sliding_window"] = TINY_SLIDING_WINDOW
+    (directory / "config.json").write_text(json.dumps(config))
+    model_config = load_model_config(resolve_model(str(directory)))
+    assert model_config.sliding_window_layers == tuple(range(4))
+    prompts = make_prompts(vocab_size=300, shared_prefix=20)[:3]
+    assert generate(directory, prompts) == reference_greedy(directory, prompts)
 
 
 def test_tensor_parallel_tokens(family, reaped):

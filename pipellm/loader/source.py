@@ -194,10 +194,11 @@ def _hf_sliding_window(
     cfg: dict[str, Any], architecture: str, num_layers: int
 ) -> tuple[int, tuple[int, ...]]:
     """(window, the layers that use it) from `layer_types` where the config lists them
-    (transformers >= 4.53 writes it), else from the older per-family fields."""
+    (transformers >= 4.53 writes it), else from the older per-family fields. A window no
+    context can outgrow is none: those layers keep the fused decode path."""
     window = cfg.get("sliding_window") or 0
-    if not window:
-        return 0, ()
+    if not window or window >= cfg["max_position_embeddings"]:
+        return 0, ()  # no window, or one that no context can outgrow
     if "layer_types" in cfg:
         kinds = cfg["layer_types"]
         return window, tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
