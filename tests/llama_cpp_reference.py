@@ -4,7 +4,6 @@ reference pipellm's GGUF outputs are compared against. Tests read the stored fil
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -42,8 +41,13 @@ PROMPT_TEXTS = [
 ]
 
 
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
+def why_llama_cpp_unavailable() -> str | None:
+    """None if llama-cpp-python imports here (its library loaded), else why not."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as error:
+        return f"llama-cpp-python is not importable: {error}"
+    return None
 
 
 def tokenize(path: Path, texts: list[str]) -> list[list[int]]:

@@ -120,10 +120,10 @@ def test_parallel_layouts_give_the_same_tokens(
     assert tokens == [single_process_tokens[i] for i in chosen]
 
 
-@pytest.mark.skipif(
-    not llama_cpp_reference.llama_cpp_available(), reason="llama-cpp-python is not importable"
-)
 def test_greedy_tokens_match_llama_cpp_computed_now(gemma_gguf, reference, single_process_tokens):
+    reason = llama_cpp_reference.why_llama_cpp_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
     prompts = [case["prompt"] for case in reference["cases"]]
     cases = llama_cpp_reference.greedy_with_top_logprobs(gemma_gguf, prompts)
     assert count_identical(single_process_tokens, cases) >= 1
