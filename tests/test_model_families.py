@@ -22,14 +22,16 @@ from tests.test_generate import (
 )
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
-def family(request, tmp_path_factory):
-    return build_case(request.param, tmp_path_factory)
-
-
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     return build_case("gemma3", tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "qwen3"])
+def family(request, tmp_path_factory):
+    if request.param == "gemma3":
+        return request.getfixturevalue("gemma3")  # built once for the module
+    return build_case(request.param, tmp_path_factory)
 
 
 def test_matches_transformers(family):
