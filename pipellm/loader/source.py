@@ -12,8 +12,6 @@ import numpy as np
 from pipellm.loader.gguf_file import GGUFFile, gguf_eos_token_ids, gguf_value, open_gguf
 from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset, preset_names
 from pipellm.model.model_config import ACTIVATIONS, ModelConfig
-from pipellm.model.rope import SUPPORTED as SUPPORTED_ROPE_TYPES
-from pipellm.model.rope import rope_type
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -241,13 +239,7 @@ def _hf_rope(cfg: dict[str, Any], path: Path) -> _Rope:
     else:
         theta, scaling = _rope_pair(params)
         local = None
-    kind = rope_type(scaling)
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{path}: rope type {kind!r} (rope_scaling / rope_parameters) is not supported; "
-            f"pipellm runs {', '.join(SUPPORTED_ROPE_TYPES)}."
-        )
-    return _Rope(theta, scaling, local)
+    return _Rope(theta, scaling, local)  # EngineConfig refuses a RoPE type it does not run
 
 
 def _rope_pair(params: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
