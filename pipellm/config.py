@@ -230,7 +230,7 @@ class EngineConfig:
         if self.quantization.startswith("gguf"):
             from pipellm.loader.weights import check_gguf_kernel_types
 
-            check_gguf_kernel_types(self.source)
+            check_gguf_kernel_types(self.source, self.model_config)
 
     def _apply_sim_profile(self) -> None:
         """A profile that states the pipeline's KV capacity sets the cache size, unless
@@ -339,7 +339,7 @@ class EngineConfig:
         try:
             plans = [plan_tensor_parallel(self.model_config, size, r) for r in range(size)]
             if self.source.kind == "gguf" and self.load_format != "dummy":
-                check_gguf_tensor_parallel(self.source, plans)
+                check_gguf_tensor_parallel(self.source, self.model_config, plans)
         except TensorParallelError as error:
             raise ConfigError(f"invalid setting {error}") from None
 

@@ -43,9 +43,10 @@ def random_paged_cache(lens, block_size, kv_heads, head_dim, seed=0):
     return k_cache, v_cache, torch.tensor(tables)
 
 
-def reference(q, k_cache, v_cache, tables, lens, scale, starts=None):
-    """Per sequence, in float64: softmax(q K^T * scale) V over its first len tokens. `starts`:
-    uneven runs of query heads per KV head (the kernels' group_starts)."""
+def reference(q, k_cache, v_cache, tables, lens, scale, starts=None, window=0):
+    """Per sequence, in float64: softmax(q K^T * scale) V over its first len tokens (the last
+    `window` of them if window > 0). `starts`: uneven runs of query heads per KV head (the
+    kernels' group_starts)."""
     out = torch.empty_like(q)
     kv_heads = k_cache.shape[2]
     even = torch.full((kv_heads,), q.shape[1] // kv_heads)
@@ -53,6 +54,8 @@ def reference(q, k_cache, v_cache, tables, lens, scale, starts=None):
     for s, n in enumerate(lens):
         keys = k_cache[tables[s]].flatten(0, 1)[:n].double()  # [n, Hkv, D]
         values = v_cache[tables[s]].flatten(0, 1)[:n].double()
+        if window:
+            keys, values = keys[-window:], values[-window:]
         keys, values = keys.repeat_interleave(sizes, 1), values.repeat_interleave(sizes, 1)
         scores = torch.einsum("hd,nhd->hn", q[s].double(), keys) * scale
         out[s] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).float()
@@ -88,6 +91,20 @@ def test_kernel_uneven_groups(kernel_ops, starts):
         op(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125, [0, 1, starts[-1] + 1])
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 50])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_kernel_sliding_window(kernel_ops, window, head_dim):
+    """A sliding-window layer reads the last `window` tokens only, whatever block they start
+    in; contexts shorter than the window read all of theirs."""
+    lens = [1, 7, 16, 17, 64, 130]
+    k_cache, v_cache, tables = random_paged_cache(lens, 16, 2, head_dim, seed=4)
+    q, out = torch.randn(len(lens), 4, head_dim), torch.empty(len(lens), 4, head_dim)
+    op = kernel_ops.paged_decode_attention
+    op(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.1, None, window)
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.1, window=window)
+    torch.testing.assert_close(out, expected)
+
+
 @pytest.mark.parametrize("block_size", [1, 8, 32])
 def test_kernel_other_block_sizes(kernel_ops, block_size):
     lens = [3, 33, 100]
@@ -114,10 +131,10 @@ def test_kernel_rejects_what_would_read_out_of_bounds(kernel_ops):
 
 
 @pytest.mark.usefixtures("kernels")
-@pytest.mark.parametrize("starts", [None, (0, 3, 5)])
-def test_paged_attention_same_with_and_without_kernel(monkeypatch, starts):
+@pytest.mark.parametrize("starts, window", [(None, 0), ((0, 3, 5), 0), (None, 20)])
+def test_paged_attention_same_with_and_without_kernel(monkeypatch, starts, window):
     """A batch of decodes: the kernel path and the block gather + SDPA path agree, with even
-    groups and with a tensor-parallel rank's uneven ones."""
+    groups, with a tensor-parallel rank's uneven ones, and in a sliding-window layer."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     if starts is not None:
         heads, kv_heads = starts[-1], len(starts) - 1
@@ -142,10 +159,14 @@ def test_paged_attention_same_with_and_without_kernel(monkeypatch, starts):
     k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
     k_cache.view(-1, kv_heads, head_dim)[batch.slot_mapping] = k  # as rotate_and_cache does
     v_cache.view(-1, kv_heads, head_dim)[batch.slot_mapping] = v
-    with_kernel = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125, starts)
+    args = (q, k, v, k_cache, v_cache, batch, 0.125, starts, window)
+    with_kernel = attention.paged_attention(*args)
     monkeypatch.setattr(attention, "kernels_apply", lambda x: False)
-    without = attention.paged_attention(q, k, v, k_cache, v_cache, batch, 0.125, starts)
+    without = attention.paged_attention(*args)
     torch.testing.assert_close(with_kernel, without)
+    if window:
+        expected = reference(q, k_cache, v_cache, tables, lens, 0.125, window=window)
+        torch.testing.assert_close(without, expected)
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):

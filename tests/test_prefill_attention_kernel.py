@@ -14,15 +14,22 @@ def kernels():
     assert cpu_kernels_available()
 
 
-def sdpa_causal(q, k, v, scale):
+def sdpa_causal(q, k, v, scale, window=0):
+    """SDPA's causal attention; with `window`, each query sees its last `window` keys only."""
+
     def heads_first(x):
         return x.transpose(0, 1).unsqueeze(0)
 
+    mask = None
+    if window:
+        offsets = torch.arange(len(q)).unsqueeze(1) - torch.arange(len(q))
+        mask = (offsets >= 0) & (offsets < window)
     out = F.scaled_dot_product_attention(
         heads_first(q),
         heads_first(k),
         heads_first(v),
-        is_causal=True,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )
@@ -43,6 +50,18 @@ def test_prefill_kernel_matches_sdpa(kernel_ops, length, heads, kv_heads, head_d
     scale = head_dim**-0.5
     kernel_ops.prefill_attention(out, q, k, v, scale)
     torch.testing.assert_close(out, sdpa_causal(q, k, v, scale))
+
+
+# Windows around the 16-key panels and 64-query blocks, shorter and longer than the prompt.
+@pytest.mark.parametrize("window", [1, 8, 17, 64, 100, 1000])
+@pytest.mark.parametrize("length", [5, 130, 300])
+def test_prefill_kernel_sliding_window(kernel_ops, window, length):
+    generator = torch.Generator().manual_seed(window)
+    qkv = torch.randn(length, 4 + 2 * 2, 32, generator=generator) * 2
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    out = torch.empty(length, 4, 32)
+    kernel_ops.prefill_attention(out, q, k, v, 0.2, None, window)
+    torch.testing.assert_close(out, sdpa_causal(q, k, v, 0.2, window))
 
 
 def test_prefill_kernel_rejects_bad_shapes(kernel_ops):

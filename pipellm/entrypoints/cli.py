@@ -7,6 +7,8 @@ import logging
 import sys
 from typing import NoReturn
 
+from pipellm.loader.registry import MODEL_ARGUMENT_HELP
+
 
 class _Parser(argparse.ArgumentParser):
     """Flag errors in one line (the usage of ~30 engine flags would bury the message)."""
@@ -76,9 +78,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         description="Serve MODEL over the OpenAI API: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics, /version.",
     )
-    serve.add_argument(
-        "model", nargs="?", help="local HF folder, .gguf, or built-in preset (default: SmolLM2)"
-    )
+    serve.add_argument("model", nargs="?", help=MODEL_ARGUMENT_HELP)
     server = serve.add_argument_group("server")
     server.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)"
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate offline for a few prompts")
-    gen.add_argument("model", nargs="?", help="local HF folder, .gguf, or built-in preset")
+    gen.add_argument("model", nargs="?", help=MODEL_ARGUMENT_HELP)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
     gen.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)

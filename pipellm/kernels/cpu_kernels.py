@@ -54,7 +54,7 @@ _FILES = (
 )
 SOURCES = [Path(__file__).with_name(name) for name in _FILES]
 # Head sizes the attention kernel is instantiated for (see attend_for in the source).
-DECODE_ATTENTION_HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128})
+DECODE_ATTENTION_HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128, 256})
 _DISABLE_ENV = "PIPELLM_CPU_KERNELS"
 LEVEL_ENV = "PIPELLM_CPU_ISA"
 

@@ -56,7 +56,7 @@ using RotaryFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, c
                       const at::Tensor&, const at::Tensor&, int64_t, int64_t);
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                         at::OptionalIntArrayRef);
+                         at::OptionalIntArrayRef, int64_t);
 using AllReduceFn = void(const at::Tensor&, int64_t);
 using AllGatherColumnsFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 
@@ -209,7 +209,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       const at::Tensor q = qkv.narrow(1, 0, num_heads_);
       const at::Tensor attended = at::empty(q.sizes(), q.options());
       paged_decode_attention_.call(attended, q, key_cache, value_cache, block_tables,
-                                   context_lens, scale_, group_starts());
+                                   context_lens, scale_, group_starts(), /*window=*/0);
       at::Tensor heads_out = attended.view({tokens, -1});
       if (!o_slice_.empty()) heads_out = heads_out.narrow(1, o_slice_[0], o_slice_[1]).contiguous();
       const at::Tensor out = apply(linear[1], heads_out);

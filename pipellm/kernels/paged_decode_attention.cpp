@@ -64,15 +64,17 @@ struct CacheView {
   }
 };
 
-// One sequence and KV head: `group` query heads of head_dim 8 * V, `len` cached tokens.
-// scores: scratch of group * round_up(len, 8) floats.
+// One sequence and KV head: `group` query heads of head_dim 8 * V, attending to cached tokens
+// [begin, len) (begin > 0 for a sliding-window layer). scores: scratch of
+// group * round_up(len - begin, 8) floats.
 template <int V>
 void attend(const float* query, int64_t query_head_stride, int64_t group, const CacheView& keys,
-            const CacheView& values, int64_t len, float scale, float* scores, float* out) {
+            const CacheView& values, int64_t begin, int64_t len, float scale, float* scores,
+            float* out) {
   constexpr int64_t D = 8 * V;
-  const int64_t padded = (len + 7) / 8 * 8;
+  const int64_t count = len - begin, padded = (count + 7) / 8 * 8;
   const float* rows[kChunk];
-  for (int64_t first = 0; first < len; first += kChunk) {
+  for (int64_t first = begin; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
     keys.rows(first, n, rows);
     if (first + n < len) keys.prefetch(first + n, std::min(kChunk, len - first - n), D);
@@ -87,22 +89,22 @@ void attend(const float* query, int64_t query_head_stride, int64_t group, const 
           for (int j = 1; j < V; ++j) acc = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(k + j * 8), acc);
           dots[u] = acc;
         }
-        _mm256_storeu_ps(scores + g * padded + first + i, sum_each(dots));
+        _mm256_storeu_ps(scores + g * padded + first - begin + i, sum_each(dots));
       }
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    masked_softmax(scores + g * padded, len, padded, scale);
+    masked_softmax(scores + g * padded, count, padded, scale);
     std::fill(out + g * D, out + (g + 1) * D, 0.0f);
   }
-  for (int64_t first = 0; first < len; first += kChunk) {
+  for (int64_t first = begin; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
     values.rows(first, n, rows);
     if (first + n < len) values.prefetch(first + n, std::min(kChunk, len - first - n), D);
     for (int64_t g = 0; g < group; ++g) {
       __m256 acc[V];
       for (int j = 0; j < V; ++j) acc[j] = _mm256_loadu_ps(out + g * D + j * 8);
-      const float* p = scores + g * padded + first;
+      const float* p = scores + g * padded + first - begin;
       for (int64_t i = 0; i < n; ++i) {
         const __m256 weight = _mm256_broadcast_ss(p + i);
         for (int j = 0; j < V; ++j)
@@ -114,7 +116,7 @@ void attend(const float* query, int64_t query_head_stride, int64_t group, const 
 }
 
 using AttendFn = void (*)(const float*, int64_t, int64_t, const CacheView&, const CacheView&,
-                          int64_t, float, float*, float*);
+                          int64_t, int64_t, float, float*, float*);
 
 AttendFn attend_for(int64_t head_dim) {
   switch (head_dim) {
@@ -124,16 +126,18 @@ AttendFn attend_for(int64_t head_dim) {
     case 80: return attend<10>;
     case 96: return attend<12>;
     case 128: return attend<16>;
+    case 256: return attend<32>;
     default: return nullptr;
   }
 }
 
 // out, query: [S, H, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
-// block_tables: [S, max_blocks] int64; context_lens: [S] int64, tokens to attend to (>= 1).
+// block_tables: [S, max_blocks] int64; context_lens: [S] int64, tokens to attend to (>= 1);
+// window > 0: only the last `window` of them (a sliding-window layer).
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale, at::OptionalIntArrayRef group_starts) {
+                            double scale, at::OptionalIntArrayRef group_starts, int64_t window) {
   for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
                 "paged_decode_attention: float32 CPU tensors only");
@@ -175,14 +179,15 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
       const int64_t len = lens[s], group = starts[h + 1] - starts[h];
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       if (group == 0) continue;
-      scores.resize(group * ((len + 7) / 8 * 8));
+      scores.resize(group * ((len - begin + 7) / 8 * 8));
       const CacheView keys{k + h * head_dim, tables + s * max_blocks, block_size, block_stride,
                            token_stride};
       const CacheView values{v + h * head_dim, tables + s * max_blocks, block_size, block_stride,
                              token_stride};
       attend_fn(q + s * query.stride(0) + starts[h] * query.stride(1), query.stride(1), group,
-                keys, values, len, static_cast<float>(scale), scores.data(),
+                keys, values, begin, len, static_cast<float>(scale), scores.data(),
                 o + (s * heads + starts[h]) * head_dim);
     }
   });
@@ -194,6 +199,6 @@ PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale, "
-      "int[]? group_starts=None) -> ()",
+      "int[]? group_starts=None, int window=0) -> ()",
       &paged_decode_attention);
 }

@@ -7,6 +7,9 @@
 // head of the GQA group computes scores = q K^T (only the panels at or left of the diagonal),
 // an exact masked softmax, and out = P V.
 //
+// A sliding-window layer (window > 0) lets row r see keys (r - window, r] only: a query block
+// packs just the keys its rows can see, so its work grows with the window, not the prompt.
+//
 // Groups may be uneven: `group_starts` (kv_heads + 1 offsets) gives each KV head's run of
 // query heads, e.g. a tensor-parallel rank holding SmolLM2's query heads 0-4 uses KV head 0
 // for 3 of them and KV head 1 for 2 (docs/tensor_parallel.md); without it, H / Hkv each.
@@ -34,7 +37,8 @@ constexpr int64_t kQueryBlock = 64;
 
 // out, q: [L, H, D]; k, v: [L, Hkv, D]; last dims contiguous, other strides free. Causal.
 void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, double scale, at::OptionalIntArrayRef group_starts) {
+                       const at::Tensor& v, double scale, at::OptionalIntArrayRef group_starts,
+                       int64_t window) {
   for (const at::Tensor* t : {&out, &q, &k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
                     t->stride(2) == 1,
@@ -62,7 +66,9 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
       const int64_t h = task % kv_heads, i = task / kv_heads;
       const int64_t block = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
       const int64_t r0 = block * kQueryBlock, r1 = std::min(len, r0 + kQueryBlock);
-      const int64_t keys = r1, key_panels = (keys + kPanel - 1) / kPanel;
+      // The block's first visible key, rounded down to a panel; packed key j is key k0 + j.
+      const int64_t k0 = window > 0 ? std::max<int64_t>(0, r0 - window + 1) / kPanel * kPanel : 0;
+      const int64_t keys = r1 - k0, key_panels = (keys + kPanel - 1) / kPanel;
       const int64_t padded = key_panels * kPanel;
       // keys_packed[p, d, j] = k[16 p + j, h, d]; values_packed[c, t, j] = v[t, h, 16 c + j].
       at::Tensor keys_packed = at::zeros({key_panels, head_dim, kPanel}, options);
@@ -72,8 +78,8 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
       float* vpk = values_packed.data_ptr<float>();
       float* sp = scores.data_ptr<float>();
       for (int64_t t = 0; t < keys; ++t) {
-        const float* kt = kp + t * k.stride(0) + h * k.stride(1);
-        const float* vt = vp + t * v.stride(0) + h * v.stride(1);
+        const float* kt = kp + (k0 + t) * k.stride(0) + h * k.stride(1);
+        const float* vt = vp + (k0 + t) * v.stride(0) + h * v.stride(1);
         float* kdst = kpk + (t / kPanel) * head_dim * kPanel + t % kPanel;
         for (int64_t d = 0; d < head_dim; ++d) kdst[d * kPanel] = kt[d];
         for (int64_t c = 0; c < dim_panels; ++c)
@@ -82,17 +88,22 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
       for (int64_t head = starts[h]; head < starts[h + 1]; ++head) {
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t rows = std::min(kRows, r1 - r);
-          const int64_t visible = r + rows;  // keys the last row of this register block sees
+          const int64_t visible = r + rows - k0;  // packed keys this block's last row sees
           for (int64_t p = 0; p * kPanel < visible; ++p)
             kRowBlock[rows](qp + r * q.stride(0) + head * q.stride(1), q.stride(0),
                             kpk + p * head_dim * kPanel, 0, head_dim,
                             sp + (r - r0) * padded + p * kPanel, padded, false, nullptr, nullptr);
         }
-        for (int64_t r = r0; r < r1; ++r)
-          masked_softmax(sp + (r - r0) * padded, r + 1, padded, static_cast<float>(scale));
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t hidden = (window > 0 ? std::max<int64_t>(0, r - window + 1) : 0) - k0;
+          float* row = sp + (r - r0) * padded;
+          std::fill(row, row + hidden, 0.0f);
+          masked_softmax(row + hidden, r + 1 - k0 - hidden, padded - hidden,
+                         static_cast<float>(scale));
+        }
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t rows = std::min(kRows, r1 - r);
-          const int64_t depth = r + rows;  // probabilities past it are zero for these rows
+          const int64_t depth = r + rows - k0;  // probabilities past it are zero for these rows
           for (int64_t c = 0; c < dim_panels; ++c)
             kRowBlock[rows](sp + (r - r0) * padded, padded, vpk + c * padded * kPanel, 0, depth,
                             op + r * out.stride(0) + head * out.stride(1) + c * kPanel,
@@ -108,6 +119,6 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, "
-      "int[]? group_starts=None) -> ()",
+      "int[]? group_starts=None, int window=0) -> ()",
       &prefill_attention);
 }

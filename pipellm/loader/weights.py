@@ -47,6 +47,8 @@ _LAYER_WEIGHTS = (
 )
 # Qwen2 has q/k/v biases; Llama with attention_bias=True has o_proj's too.
 _BIASED_PROJECTIONS = _LAYER_WEIGHTS[:4]
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_SANDWICH_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 # llama.cpp tensor names (the part between "blk.N." and ".weight") -> Hugging Face names.
 _GGUF_LAYER_NAMES = {
@@ -59,7 +61,20 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3's four norms a layer: llama.cpp's ffn_norm is then the MLP's input norm, which
+# Hugging Face calls pre_feedforward_layernorm (see model/llama.py's DecoderLayer).
+_GGUF_SANDWICH_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's converter permutes q/k rows (see _unpermute_rope_rows) for the models it runs
+# with interleaved-pair RoPE: the llama architecture. Qwen2, Qwen3 and Gemma 3 files keep
+# Hugging Face's rotate-half rows (llama.cpp's "NEOX" RoPE).
+_ROPE_PERMUTED_ARCHITECTURES = ("LlamaForCausalLM",)
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -117,9 +132,12 @@ class _Stage:
         spec = self.spec
         if spec.is_first or (spec.is_last and self.config.tie_word_embeddings):
             yield "model.embed_tokens.weight"
+        parts = _LAYER_WEIGHTS
+        parts += _QK_NORMS if self.config.qk_norm else ()
+        parts += _SANDWICH_NORMS if self.config.sandwich_norms else ()
         for layer in range(spec.layer_start, spec.layer_end):
             prefix = f"model.layers.{layer}."
-            yield from (f"{prefix}{part}.weight" for part in _LAYER_WEIGHTS)
+            yield from (f"{prefix}{part}.weight" for part in parts)
             for projection in _BIASED_PROJECTIONS:
                 if f"{prefix}{projection}.bias" in available:
                     yield f"{prefix}{projection}.bias"
@@ -134,6 +152,15 @@ def _missing(path: Path, name: str) -> ValueError:
 
 
 def _iter_safetensors(
+    folder: Path, stage: _Stage, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    offset = stage.config.norm_weight_offset
+    for name, tensor in _iter_safetensors_as_stored(folder, stage, dtype):
+        # Gemma's norms store w for a (1 + w) scale: the model's norms take the scale itself.
+        yield name, tensor.add(offset) if offset and name.endswith("norm.weight") else tensor
+
+
+def _iter_safetensors_as_stored(
     folder: Path, stage: _Stage, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     file_of = _safetensors_file_map(folder)
@@ -180,7 +207,7 @@ def iter_quantized_weights(
     safetensors checkpoint."""
     if source.kind != "gguf":
         return
-    tensors = _gguf_tensors(source.path)
+    tensors = _gguf_tensors(source.path, config)
     for name in _Stage(config, stage).weight_names(tensors):
         tensor = tensors.get(name)
         if (
@@ -192,11 +219,11 @@ def iter_quantized_weights(
             yield name, QuantizedWeight(tensor.tensor_type, blocks)
 
 
-def check_gguf_kernel_types(source: ModelSource) -> None:
+def check_gguf_kernel_types(source: ModelSource, config: ModelConfig) -> None:
     """Raises ValueError naming the first matrix the model uses whose GGUF type pipellm's
     kernels do not compute on (they would otherwise be dequantized to float32: 4-12x the
     memory and the decode step's weight stream)."""
-    for name, tensor in _gguf_tensors(source.path).items():
+    for name, tensor in _gguf_tensors(source.path, config).items():
         kind = tensor.tensor_type
         if len(tensor.shape) == 2 and kind not in GGUF_KERNEL_TYPES | {
             gguf.GGMLQuantizationType.F32
@@ -210,28 +237,33 @@ def check_gguf_kernel_types(source: ModelSource) -> None:
             )
 
 
-def check_gguf_tensor_parallel(source: ModelSource, plans: list[TensorParallelPlan]) -> None:
+def check_gguf_tensor_parallel(
+    source: ModelSource, config: ModelConfig, plans: list[TensorParallelPlan]
+) -> None:
     """Raises TensorParallelError if a rank's columns of a quantized row-parallel weight
     (o_proj, down_proj) would cut through its GGUF blocks."""
-    for name, tensor in _gguf_tensors(source.path).items():
+    for name, tensor in _gguf_tensors(source.path, config).items():
         block_values, _ = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
         if block_values > 1:
             for plan in plans:
                 check_row_split(plan, name, block_values)
 
 
-def _gguf_tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
+def _gguf_tensors(path: Path, config: ModelConfig) -> dict[str, gguf.ReaderTensor]:
     """The file's tensors by Hugging Face name (those the model uses)."""
+    layer_names = _GGUF_LAYER_NAMES
+    if config.sandwich_norms:
+        layer_names = {**layer_names, **_GGUF_SANDWICH_NAMES}
     tensors = {}
     for tensor in open_gguf(path).tensors:
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, layer_names)
         if hf_name is not None:
             tensors[hf_name] = tensor
     return tensors
 
 
 def _iter_gguf(path: Path, stage: _Stage, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    tensors = _gguf_tensors(path)
+    tensors = _gguf_tensors(path, stage.config)
     for name in stage.weight_names(tensors):
         if name not in tensors:
             raise _missing(path, name)
@@ -258,7 +290,7 @@ def _hf_shard(
     kept as block bytes). q/k rows are permuted within each head in the file (_hf_rows): a
     part that cuts a head (tensor parallelism by rows, model/tp_plan.py) reads the heads it
     touches whole, unpermutes them, then keeps its rows."""
-    if shard is not None and shard.dim == 0 and _is_rope_permuted(name):
+    if shard is not None and shard.dim == 0 and _is_rope_permuted(name, config):
         d = config.head_dim
         first, stop = shard.start // d * d, -(-shard.stop // d) * d
         whole_heads = dataclasses.replace(shard, start=first, stop=stop)
@@ -288,22 +320,24 @@ def _shard_data(name: str, tensor: gguf.ReaderTensor, shard: WeightShard | None)
 def _hf_rows(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """llama.cpp's converter permutes q/k rows for its rope layout; the model uses HF's. Works
     on dequantized weights and on quantized block rows alike: each row is one output."""
-    if _is_rope_permuted(name):
+    if _is_rope_permuted(name, config):
         # Per head: a tensor-parallel rank's whole heads unpermute alike.
         return _unpermute_rope_rows(rows, rows.shape[0] // config.head_dim)
     return rows
 
 
-def _is_rope_permuted(name: str) -> bool:
+def _is_rope_permuted(name: str, config: ModelConfig) -> bool:
+    if config.architecture not in _ROPE_PERMUTED_ARCHITECTURES:
+        return False
     return ".q_proj." in name or ".k_proj." in name
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
     """The Hugging Face name of a llama.cpp tensor; None for tensors the model does not use."""
     base, suffix = gguf_name.rsplit(".", 1)  # e.g. "blk.3.attn_q", "weight"
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
-        hf_part = _GGUF_LAYER_NAMES.get(part)
+        hf_part = layer_names.get(part)
         return None if hf_part is None else f"model.layers.{layer}.{hf_part}.{suffix}"
     hf_base = _GGUF_GLOBAL_NAMES.get(base)
     return None if hf_base is None else f"{hf_base}.{suffix}"

@@ -1,6 +1,9 @@
 """Attention over the paged KV cache: one call for all decodes, one SDPA call per prefill;
 and, before it, RoPE and the cache writes of the step's new keys and values.
 
+A sliding-window layer (`window` > 0) lets each query see the last `window` positions only, its
+own included, as transformers' and llama.cpp's masks do; its cache still holds every block.
+
 Each layer's cache is a pair of [num_blocks, block_size, kv_heads, head_dim] tensors. Decodes
 use pipellm's own kernel, which reads the cache in place (pipellm/kernels/), where it is built;
 otherwise, and for prefills, reads copy whole blocks (index_select on the block dimension): one
@@ -76,11 +79,13 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
     group_starts: tuple[int, ...] | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D], already written into their cache slots (see
     rotate_and_cache), so decodes and continued prefills read their whole context from the
     cache without a concatenation. Returns [T, H, D]. `group_starts`: uneven runs of query
     heads per KV head (a tensor-parallel rank's, model/tp_plan.py); None: H / Hkv each.
+    `window`: attend to the last `window` positions only (0: all of them).
     """
     num_heads = k.shape[1]
     out = q.new_empty(q.shape)  # contiguous, whatever q's strides
@@ -103,14 +108,19 @@ def paged_attention(
             batch.decode_context_lens,
             scale,
             starts,
+            window,
         )
     elif nd:
         tables = batch.decode_block_tables
+        mask = batch.decode_mask
+        if window:
+            first = (batch.decode_context_lens - window).view(-1, 1, 1, 1)
+            mask = mask & (torch.arange(mask.shape[-1]) >= first)
         out[:nd] = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2),  # [D, H, 1, Dh]
             per_query_head(gather_blocks(k_cache, tables).transpose(1, 2), 1),  # [D, Hkv, L, Dh]
             per_query_head(gather_blocks(v_cache, tables).transpose(1, 2), 1),
-            attn_mask=batch.decode_mask,
+            attn_mask=mask,
             scale=scale,
             enable_gqa=gqa and group_starts is None,
         ).squeeze(2)
@@ -118,15 +128,19 @@ def paged_attention(
         rows = slice(chunk.start, chunk.start + chunk.length)
         # The prompt kernel's GEMM step works on 16-wide panels of the head dimension.
         if chunk.block_table is None and q.shape[-1] % 16 == 0 and kernels_apply(q):
-            ops().prefill_attention(out[rows], q[rows], k[rows], v[rows], scale, starts)
+            ops().prefill_attention(out[rows], q[rows], k[rows], v[rows], scale, starts, window)
             continue
         if chunk.block_table is None:  # nothing cached before: attend to the fresh keys
             keys, values, mask = k[rows], v[rows], None
+            if window:
+                mask = window_mask(chunk.length, chunk.length, window)
         else:
             context_len = chunk.mask.shape[1]
             keys = gather_blocks(k_cache, chunk.block_table)[:context_len]
             values = gather_blocks(v_cache, chunk.block_table)[:context_len]
             mask = chunk.mask
+            if window:
+                mask = mask & window_mask(chunk.length, context_len, window)
         # NOTE: 4-D inputs: SDPA's 3-D path with enable_gqa is about twice as slow on CPU.
         out[rows] = (
             F.scaled_dot_product_attention(
@@ -142,3 +156,11 @@ def paged_attention(
             .transpose(0, 1)
         )
     return out
+
+
+def window_mask(num_queries: int, context_len: int, window: int) -> torch.Tensor:
+    """[num_queries, context_len] bool, True where a key is causal and within the last `window`
+    positions of the query; the queries are the context's last num_queries positions."""
+    query_positions = torch.arange(context_len - num_queries, context_len).unsqueeze(1)
+    offsets = query_positions - torch.arange(context_len)
+    return (offsets >= 0) & (offsets < window)

@@ -31,6 +31,7 @@ from pipellm.kernels.cpu_kernels import (
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.model.gguf_linear import QuantizedLinear
 from pipellm.model.linear import PackedLinear
+from pipellm.model.model_config import ModelConfig
 from pipellm.parallel.shm_comm import ShmComm
 
 FAST_PATH_ENV = "PIPELLM_DECODE_FAST_PATH"
@@ -57,6 +58,19 @@ def _method_and_kind(linear: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def _unfused_switch(config: ModelConfig) -> str | None:
+    """The first family switch (model/model_config.py) DecodeLayers does not implement."""
+    if config.qk_norm:
+        return "q/k norms"
+    if config.sandwich_norms:
+        return "norms after attention and the MLP"
+    if config.hidden_activation != "silu":
+        return f"{config.hidden_activation} activation"
+    if config.sliding_window_layers:
+        return "sliding-window layers"
+    return None
+
+
 def why_not_fused(stage: nn.Module) -> str | None:
     """None if `stage` (a LlamaStage, after prepare_for_inference) can take the fused decode
     path, else why not."""
@@ -70,6 +84,9 @@ def why_not_fused(stage: nn.Module) -> str | None:
         return f"the kernels take float32, the model runs {stage.dtype}"
     if stage.config.head_dim not in DECODE_ATTENTION_HEAD_DIMS:
         return f"head_dim {stage.config.head_dim} has no decode attention kernel"
+    switch = _unfused_switch(stage.config)
+    if switch is not None:
+        return f"DecodeLayers has no {switch}"
     for layer in stage.layers:
         linears = (
             layer.self_attn.qkv_proj,

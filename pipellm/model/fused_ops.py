@@ -1,6 +1,6 @@
 """RMSNorm (with the residual add before it), SiLU-and-mul and the sampler's argmax, on
 pipellm's fused CPU kernels (pipellm/kernels/elementwise.cpp) where they apply, else in plain
-PyTorch."""
+PyTorch; GELU-and-mul in plain PyTorch."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops().silu_and_mul(gate_up.contiguous())
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [..., 2 I], gate then up. Returns gelu(gate) * up with GELU's tanh
+    approximation (GeGLU, as Gemma's `gelu_pytorch_tanh`), [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) built for one pipeline stage.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM2) built for one
+pipeline stage. The families differ by ModelConfig's named switches (model/model_config.py):
+q/k norms, four norms a layer, the MLP's activation, the embedding's scale, sliding-window
+layers with their own RoPE base.
 
 A stage owns the layers [layer_start, layer_end); the first stage also owns the embedding,
 the last the final norm and lm_head. Parameter names follow Hugging Face checkpoints, except
@@ -17,7 +20,13 @@ from torch import nn
 from pipellm.model.attention import paged_attention, rotate_and_cache
 from pipellm.model.decode_fast_path import DecodeFastPath, why_not_fused
 from pipellm.model.forward_batch import ForwardBatch
-from pipellm.model.fused_ops import add_rms_norm_, argmax_rows, rms_norm, silu_and_mul
+from pipellm.model.fused_ops import (
+    add_rms_norm_,
+    argmax_rows,
+    gelu_tanh_and_mul,
+    rms_norm,
+    silu_and_mul,
+)
 from pipellm.model.gguf_linear import QuantizedWeight, stack_rows
 from pipellm.model.linear import prepack_linears
 from pipellm.model.model_config import ModelConfig
@@ -76,13 +85,18 @@ class Attention(nn.Module):
         tp: TensorParallelPlan,
         comm: TensorParallelComm | None,
         gather_index: torch.Tensor | None = None,
+        window: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = tp.num_heads
         self.num_kv_heads = tp.num_kv_heads
         self.group_starts = tp.kv_group_starts  # uneven query heads per KV head, or None
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = window  # > 0: a sliding-window layer
+        norm = config.qk_norm
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if norm else None
         self.comm = comm
         self.gather_index = gather_index  # computed q/k/v rows -> this rank's heads' rows
         self.qkv_width = tp.qkv_width
@@ -107,15 +121,23 @@ class Attention(nn.Module):
             padded = nn.functional.pad(qkv, (0, pad)) if pad else qkv
             qkv = self.comm.all_gather_columns(padded, self.gather_index)
         qkv = qkv.view(t, -1, self.head_dim)
+        if self.q_norm is not None:
+            qkv = self._norm_query_and_key_heads(qkv)
         q, k, v = rotate_and_cache(
             qkv, cos_sin, *kv_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads
         )
-        out = paged_attention(q, k, v, *kv_cache, batch, self.scale, self.group_starts)
+        out = paged_attention(q, k, v, *kv_cache, batch, self.scale, self.group_starts, self.window)
         out = out.view(t, -1)
         if out.shape[1] != self.o_proj.in_features:
             out = out[:, self.o_offset : self.o_offset + self.o_proj.in_features].contiguous()
         out = self.o_proj(out)
         return out if self.comm is None else self.comm.all_reduce_(out)
+
+    def _norm_query_and_key_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, H + 2 Hkv, D] with each query head and key head RMS-normed (Qwen3, Gemma 3)."""
+        h, hkv = self.num_heads, self.num_kv_heads
+        q, k, v = qkv.split([h, hkv, hkv], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)
 
 
 class MLP(nn.Module):
@@ -129,25 +151,38 @@ class MLP(nn.Module):
         self.comm = comm
         self.gate_up_proj = FusedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        gelu = config.hidden_activation == "gelu_pytorch_tanh"
+        self.act_and_mul = gelu_tanh_and_mul if gelu else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         return out if self.comm is None else self.comm.all_reduce_(out)
 
 
 class DecoderLayer(nn.Module):
+    """Layer `layer` (its global index) of the model. With sandwich norms (Gemma 3) the
+    attention and MLP outputs are normed before they join the residual stream, and
+    post_attention_layernorm is the first of those, pre_feedforward_layernorm the MLP's input
+    norm (Hugging Face's names); otherwise post_attention_layernorm is the MLP's input norm."""
+
     def __init__(
         self,
         config: ModelConfig,
         tp: TensorParallelPlan,
         comm: TensorParallelComm | None,
-        gather_index: torch.Tensor | None = None,
+        gather_index: torch.Tensor | None,
+        layer: int,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, tp, comm, gather_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = Attention(config, tp, comm, gather_index, config.layer_window(layer))
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps) if sandwich else None
         self.mlp = MLP(config, tp, comm)
+        self.uses_local_rope = config.uses_local_rope(layer)
 
     def forward(
         self,
@@ -166,8 +201,12 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm.add_and_norm(x, residual)
             residual = x
         out = self.self_attn(h, cos_sin, kv_cache, batch)
-        h = self.post_attention_layernorm.add_and_norm(out, residual)
-        return self.mlp(h), out
+        if self.pre_feedforward_layernorm is None:
+            h = self.post_attention_layernorm.add_and_norm(out, residual)
+            return self.mlp(h), out
+        out = self.post_attention_layernorm(out)
+        h = self.pre_feedforward_layernorm.add_and_norm(out, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), out
 
 
 class LlamaStage(nn.Module):
@@ -199,7 +238,8 @@ class LlamaStage(nn.Module):
             needs_embedding = is_first or (is_last and config.tie_word_embeddings)
             self.embed_tokens = nn.Embedding(vocab, hidden) if needs_embedding else None
             self.layers = nn.ModuleList(
-                DecoderLayer(config, tp, comm, gather_index) for _ in range(layer_start, layer_end)
+                DecoderLayer(config, tp, comm, gather_index, layer)
+                for layer in range(layer_start, layer_end)
             )
             self.norm = RMSNorm(hidden, config.rms_norm_eps) if is_last else None
             self.lm_head = None
@@ -213,6 +253,15 @@ class LlamaStage(nn.Module):
             config.rope_scaling,
             dtype,
         )
+        self.local_rope = None  # the sliding-window layers' own RoPE base (Gemma 3)
+        if any(layer.uses_local_rope for layer in self.layers):
+            self.local_rope = RotaryEmbedding(
+                config.head_dim,
+                config.max_position_embeddings,
+                config.rope_local_theta,
+                None,
+                dtype,
+            )
         self.decode_fast_path: DecodeFastPath | None = None  # see prepare_for_inference
 
     def forward(
@@ -226,20 +275,26 @@ class LlamaStage(nn.Module):
         cos_sin = self.rope.tables(batch.positions)
         if self.decode_fast_path is not None and self.decode_fast_path.applies(batch):
             return self.decode_fast_path(x, cos_sin, kv_caches, batch)
+        local = None if self.local_rope is None else self.local_rope.tables(batch.positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, kv_cache, batch)
+            tables = local if layer.uses_local_rope else cos_sin
+            x, residual = layer(x, residual, tables, kv_cache, batch)
         return x if residual is None else x.add_(residual)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The embedding; split by vocabulary, each rank looks up its own tokens (zeros for
-        the others) and the all-reduce adds them up (vLLM's VocabParallelEmbedding)."""
+        the others) and the all-reduce adds them up (vLLM's VocabParallelEmbedding). Scaled by
+        embedding_scale where the family says (Gemma)."""
+        scale = self.config.embedding_scale
         if self.comm is None:
-            return self.embed_tokens(token_ids)
+            rows = self.embed_tokens(token_ids)
+            return rows if scale == 1.0 else rows.mul_(scale)
         start, stop = self.tp.vocab
         mine = (token_ids >= start) & (token_ids < stop)
         rows = self.embed_tokens((token_ids - start) * mine)
-        return self.comm.all_reduce_(rows.mul_(mine.unsqueeze(-1)))
+        rows = self.comm.all_reduce_(rows.mul_(mine.unsqueeze(-1)))
+        return rows if scale == 1.0 else rows.mul_(scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32: with tensor parallelism, each rank's vocabulary slice
@@ -379,7 +434,7 @@ class LlamaStage(nn.Module):
         Each checkpoint tensor is seeded by its name, so any stage split gives the same model.
         """
         for local_name, param in list(self.named_parameters()):
-            if local_name.endswith("norm.weight"):
+            if local_name.endswith("norm.weight"):  # as loaded: norm_weight_offset added
                 self._set_parameter(local_name, torch.ones(param.shape))
                 continue
             parts = []

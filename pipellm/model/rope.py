@@ -34,7 +34,10 @@ def inverse_frequencies(
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between. A GGUF
+    file stores the divisor of each pair instead (its `rope_freqs` tensor): `freq_factors`."""
+    if "freq_factors" in scaling:
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float64)
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     original = scaling["original_max_position_embeddings"]
