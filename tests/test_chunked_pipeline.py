@@ -193,8 +193,10 @@ def test_same_greedy_tokens_with_the_chunked_pipeline_on_and_off(
     with LLM(str(directory), **engine_args) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
+        summary = llm.engine.stats().pipeline
+        assert len(summary["stage_busy_fraction"]) == stages
         if stages > 1:
-            assert llm.engine.stats().pipeline["max_queue_depth"] == stages
+            assert summary["max_queue_depth"] == stages
 
 
 @pytest.mark.parametrize("chunked_pipeline", [True, False])
