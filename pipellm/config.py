@@ -90,6 +90,10 @@ class EngineConfig:
     # None (auto): 1 on the ray backend with P > 1, where stages on other hosts jitter more
     # and every result goes through Ray to the driver and back (docs/pipeline.md), else 0.
     pp_async_batch_depth: int | None = None
+    # The engine waits for each micro-batch's result before scheduling the next, as vLLM's
+    # engine loop did before its PR #28768: one micro-batch in flight, so the stages take
+    # turns. For measuring what the non-blocking loop is worth (docs/pipeline.md); off.
+    pp_blocking_loop: bool = False
     num_threads: int | None = None  # torch threads per stage; default: cores divided by stages
     max_cudagraph_capture_size: int | None = None
     trust_remote_code: bool = False
@@ -273,8 +277,16 @@ class EngineConfig:
         depth = self.pp_async_batch_depth
         if depth is None:
             ray_pipeline = self.distributed_executor_backend == "ray"
-            self.pp_async_batch_depth = int(ray_pipeline and self.pipeline_parallel_size > 1)
+            spare = ray_pipeline and self.pipeline_parallel_size > 1 and not self.pp_blocking_loop
+            self.pp_async_batch_depth = int(spare)
             return
+        if depth > 0 and self.pp_blocking_loop:
+            _fail(
+                "pp_async_batch_depth",
+                depth,
+                "pp_blocking_loop keeps one micro-batch in flight, so no spare one can wait; "
+                "use 0 or drop pp_blocking_loop",
+            )
         if not isinstance(depth, int) or depth < 0:
             _fail("pp_async_batch_depth", depth, "use 0 or a positive integer")
         if depth > 0 and self.pipeline_parallel_size == 1:
@@ -286,7 +298,10 @@ class EngineConfig:
 
     @property
     def max_micro_batches_in_flight(self) -> int:
-        """P micro-batches, one a stage, plus the extra ones of pp_async_batch_depth."""
+        """P micro-batches, one a stage, plus the extra ones of pp_async_batch_depth; one with
+        pp_blocking_loop."""
+        if self.pp_blocking_loop:
+            return 1
         return self.pipeline_parallel_size + self.pp_async_batch_depth
 
     def _check_cores(self) -> None:

@@ -7,6 +7,10 @@ output. The queue holds P micro-batches plus `pp_async_batch_depth` spare ones (
 --pp-async-batch-depth) that carry prompt tokens: the scheduler only forms micro-batches that
 need no in-flight output, so a spare one waits at the first stage, ready the moment that
 stage is free.
+
+`pp_blocking_loop` keeps one micro-batch in flight instead: the engine waits for each result
+before scheduling the next, as vLLM's loop did before its PR #28768 (the seed report's second
+half), so that what the non-blocking loop is worth can be measured apart from balancing.
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ class EngineCore:
         self.num_stages = config.pipeline_parallel_size  # P
         # P micro-batches in flight, one a stage, plus pp_async_batch_depth spare ones queued
         # at the first stage, so a late stage or a slow round trip leaves no stage idle while
-        # prompts are being computed.
+        # prompts are being computed. With pp_blocking_loop, one: stages take turns.
         self.max_in_flight = config.max_micro_batches_in_flight
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         # Why a micro-batch failed, once one has: its requests never got their results, so

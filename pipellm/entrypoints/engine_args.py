@@ -112,6 +112,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "name); default: 1 with --distributed-executor-backend ray and -pp > 1, else 0",
     )
     g.add_argument(
+        "--pp-blocking-loop",
+        action="store_true",
+        help="wait for each micro-batch's result before scheduling the next, as vLLM's engine "
+        "loop did before its PR #28768: one micro-batch in flight, stages take turns (for "
+        "measuring; off by default)",
+    )
+    g.add_argument(
         "--pp-chunk-sizing",
         choices=["fixed", "cost"],
         default="fixed",
