@@ -77,8 +77,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     pp_balance: bool = True
     # Balanced pipelines: most tokens in one micro-batch. Small micro-batches fill and drain
-    # the pipeline quickly, so a stage idles for less time (docs/pipeline.md).
-    pp_microbatch_tokens: int = 128
+    # the pipeline quickly, so a stage idles for less time (docs/pipeline.md). None (auto):
+    # 128, or on the sim backend the fewest tokens whose step the fixed cost (weights read,
+    # overhead) no longer dominates (engine/microbatch_size.py).
+    pp_microbatch_tokens: int | None = None
     # Chunked pipeline parallelism: a prompt's next chunk enters a micro-batch while its earlier
     # chunks are still in flight, so one long prompt fills every stage (docs/pipeline.md).
     enable_chunked_pipeline: bool = True
@@ -161,7 +163,8 @@ class EngineConfig:
             logger.warning("max_cudagraph_capture_size has no effect on CPU; ignored")
         if self.pp_chunk_sizing not in ("fixed", "cost"):
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
-        if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
+        tokens = self.pp_microbatch_tokens
+        if tokens is not None and (not isinstance(tokens, int) or tokens <= 0):
             _fail("pp_microbatch_tokens", self.pp_microbatch_tokens, "use a positive integer")
         self._resolve_async_batch_depth()
         if self.num_threads is not None and self.num_threads <= 0:

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.chunk_cost import CPU_ATTENTION_SLOWDOWN, ChunkCostModel
+from pipellm.engine.microbatch_size import microbatch_tokens
 from pipellm.engine.output_processor import TextState
 from pipellm.engine.pipeline_stats import PipelineStats
 from pipellm.engine.prompt_check import check_prompt
@@ -89,7 +90,7 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 num_stages=config.pipeline_parallel_size,
                 pp_balance=config.pp_balance,
-                pp_microbatch_tokens=config.pp_microbatch_tokens,
+                pp_microbatch_tokens=microbatch_tokens(config),
                 enable_chunked_pipeline=config.enable_chunked_pipeline,
                 chunk_cost=chunk_cost_model(config),
             ),

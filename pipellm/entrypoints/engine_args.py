@@ -93,8 +93,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pp-microbatch-tokens",
         type=int,
-        default=128,  # = EngineConfig's (checked by a test; no torch import here)
-        help="balanced pipelines: most tokens in one micro-batch (default %(default)s); smaller "
+        help="balanced pipelines: most tokens in one micro-batch (default 128; sim backend: the "
+        "fewest tokens whose modelled step its fixed cost no longer dominates); smaller "
         "micro-batches leave shorter bubbles while the pipeline fills and drains",
     )
     g.add_argument(
