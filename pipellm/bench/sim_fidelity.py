@@ -28,7 +28,7 @@ from pipellm.bench.sim_steps import (
     print_summary,
     summarize,
 )
-from pipellm.config import EngineConfig
+from pipellm.engine.microbatch_size import DEFAULT_MICROBATCH_TOKENS
 from pipellm.entrypoints.cli import build_parser
 
 METRICS = (
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrencies", default="4,8")
     parser.add_argument(
-        "--pp-microbatch-tokens", type=int, default=EngineConfig.pp_microbatch_tokens
+        "--pp-microbatch-tokens", type=int, default=DEFAULT_MICROBATCH_TOKENS
     )
     parser.add_argument("--profile", help="use this profile instead of measuring one")
     parser.add_argument(

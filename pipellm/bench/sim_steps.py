@@ -28,6 +28,7 @@ from typing import Any
 
 from pipellm.bench.pp_scaling import SETUPS, run_once
 from pipellm.config import EngineConfig
+from pipellm.engine.microbatch_size import DEFAULT_MICROBATCH_TOKENS
 from pipellm.protocol import SchedulerOutput
 from pipellm.sim.profile import load_profile
 from pipellm.sim.shapes import BatchShape
@@ -181,7 +182,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument(
-        "--pp-microbatch-tokens", type=int, default=EngineConfig.pp_microbatch_tokens
+        "--pp-microbatch-tokens", type=int, default=DEFAULT_MICROBATCH_TOKENS
     )
     parser.add_argument("--out", help="write every micro-batch's figures to this JSON file")
     args = parser.parse_args()
