@@ -60,9 +60,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrencies", default="4,8")
-    parser.add_argument(
-        "--pp-microbatch-tokens", type=int, default=DEFAULT_MICROBATCH_TOKENS
-    )
+    parser.add_argument("--pp-microbatch-tokens", type=int, default=DEFAULT_MICROBATCH_TOKENS)
     parser.add_argument("--profile", help="use this profile instead of measuring one")
     parser.add_argument(
         "--setups", default="abc", help="pp_scaling's mp setups to run (default %(default)s)"

@@ -181,9 +181,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument(
-        "--pp-microbatch-tokens", type=int, default=DEFAULT_MICROBATCH_TOKENS
-    )
+    parser.add_argument("--pp-microbatch-tokens", type=int, default=DEFAULT_MICROBATCH_TOKENS)
     parser.add_argument("--out", help="write every micro-batch's figures to this JSON file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
