@@ -33,6 +33,7 @@ from typing import Any
 from pp_scaling import SETUPS, run_once
 
 from pipellm.config import EngineConfig
+from pipellm.engine.microbatch_size import DEFAULT_MICROBATCH_TOKENS
 from pipellm.entrypoints.cli import build_parser
 from pipellm.protocol import SchedulerOutput
 from pipellm.sim.profile import load_profile
@@ -206,9 +207,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrencies", default="4,8")
-    parser.add_argument(
-        "--pp-microbatch-tokens", type=int, default=EngineConfig.pp_microbatch_tokens
-    )
+    parser.add_argument("--pp-microbatch-tokens", type=int, default=DEFAULT_MICROBATCH_TOKENS)
     parser.add_argument("--profile", help="use this profile instead of measuring one")
     parser.add_argument(
         "--setups", default="abc", help="pp_scaling's mp setups to run (default %(default)s)"

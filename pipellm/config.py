@@ -80,8 +80,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     pp_balance: bool = True
     # Balanced pipelines: most tokens in one micro-batch. Small micro-batches fill and drain
-    # the pipeline quickly, so a stage idles for less time (docs/pipeline.md).
-    pp_microbatch_tokens: int = 128
+    # the pipeline quickly, so a stage idles for less time (docs/pipeline.md). None (auto):
+    # 128, or on the sim backend the fewest tokens whose step the fixed cost (weights read,
+    # overhead) no longer dominates (engine/microbatch_size.py).
+    pp_microbatch_tokens: int | None = None
     # Chunked pipeline parallelism: a prompt's next chunk enters a micro-batch while its earlier
     # chunks are still in flight, so one long prompt fills every stage (docs/pipeline.md).
     enable_chunked_pipeline: bool = True
@@ -93,6 +95,10 @@ class EngineConfig:
     # None (auto): 1 on the ray backend with P > 1, where stages on other hosts jitter more
     # and every result goes through Ray to the driver and back (docs/pipeline.md), else 0.
     pp_async_batch_depth: int | None = None
+    # The engine waits for each micro-batch's result before scheduling the next, as vLLM's
+    # engine loop did before its PR #28768: one micro-batch in flight, so the stages take
+    # turns. For measuring what the non-blocking loop is worth (docs/pipeline.md); off.
+    pp_blocking_loop: bool = False
     num_threads: int | None = None  # torch threads per stage; default: cores divided by stages
     max_cudagraph_capture_size: int | None = None
     trust_remote_code: bool = False
@@ -170,7 +176,8 @@ class EngineConfig:
             _fail("max_num_partial_prefills", self.max_num_partial_prefills, "use an integer >= 1")
         if self.pp_chunk_sizing not in ("fixed", "cost"):
             _fail("pp_chunk_sizing", self.pp_chunk_sizing, "use 'fixed' or 'cost'")
-        if not isinstance(self.pp_microbatch_tokens, int) or self.pp_microbatch_tokens <= 0:
+        tokens = self.pp_microbatch_tokens
+        if tokens is not None and (not isinstance(tokens, int) or tokens <= 0):
             _fail("pp_microbatch_tokens", self.pp_microbatch_tokens, "use a positive integer")
         self._resolve_async_batch_depth()
         if self.num_threads is not None and self.num_threads <= 0:
@@ -300,8 +307,16 @@ class EngineConfig:
         depth = self.pp_async_batch_depth
         if depth is None:
             ray_pipeline = self.distributed_executor_backend == "ray"
-            self.pp_async_batch_depth = int(ray_pipeline and self.pipeline_parallel_size > 1)
+            spare = ray_pipeline and self.pipeline_parallel_size > 1 and not self.pp_blocking_loop
+            self.pp_async_batch_depth = int(spare)
             return
+        if depth > 0 and self.pp_blocking_loop:
+            _fail(
+                "pp_async_batch_depth",
+                depth,
+                "pp_blocking_loop keeps one micro-batch in flight, so no spare one can wait; "
+                "use 0 or drop pp_blocking_loop",
+            )
         if not isinstance(depth, int) or depth < 0:
             _fail("pp_async_batch_depth", depth, "use 0 or a positive integer")
         if depth > 0 and self.pipeline_parallel_size == 1:
@@ -313,7 +328,10 @@ class EngineConfig:
 
     @property
     def max_micro_batches_in_flight(self) -> int:
-        """P micro-batches, one a stage, plus the extra ones of pp_async_batch_depth."""
+        """P micro-batches, one a stage, plus the extra ones of pp_async_batch_depth; one with
+        pp_blocking_loop."""
+        if self.pp_blocking_loop:
+            return 1
         return self.pipeline_parallel_size + self.pp_async_batch_depth
 
     def _check_cores(self) -> None:

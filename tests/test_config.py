@@ -41,6 +41,10 @@ def tiny(tmp_path_factory):
         (dict(pp_chunk_sizing="even"), "pp_chunk_sizing='even'"),
         (dict(pp_async_batch_depth=-1), "pp_async_batch_depth=-1"),
         (dict(pp_async_batch_depth=1), "need pipeline_parallel_size > 1"),
+        (
+            dict(pipeline_parallel_size=2, pp_async_batch_depth=1, pp_blocking_loop=True),
+            "pp_blocking_loop keeps one micro-batch in flight",
+        ),
         (dict(quantization="awq"), "quantization='awq'"),
         (dict(quantization="gguf"), "needs a .gguf model"),
         (dict(quantization="gguf_int8"), "needs a .gguf model"),

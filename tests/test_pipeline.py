@@ -111,6 +111,7 @@ def run_with_recorder(
     num: int,
     chunked_pipeline=True,
     async_depth: int | None = None,
+    blocking_loop: bool = False,
 ):
     config = EngineConfig(
         model=str(directory),
@@ -121,6 +122,7 @@ def run_with_recorder(
         distributed_executor_backend="mp",
         enable_chunked_pipeline=chunked_pipeline,
         pp_async_batch_depth=async_depth,
+        pp_blocking_loop=blocking_loop,
     )
     recorder = RecordingExecutor(stages)
     core = EngineCore(config, executor=recorder)
@@ -181,10 +183,41 @@ def test_async_batch_depth_queues_spare_micro_batches_that_need_no_in_flight_out
     assert max(plain.depths) == 2, "mp keeps one micro-batch a stage by default"
 
 
+@pytest.mark.parametrize("balance", [True, False])
+def test_blocking_loop_waits_for_each_result_before_scheduling_the_next(tmp_path, balance):
+    """vLLM's loop before its PR #28768: one micro-batch in flight, whether balanced or not,
+    and for a lone long prompt as for many short ones; without the switch the same workloads
+    fill the pipeline."""
+    directory = make_tiny_checkpoint(tmp_path / "m")
+    for prompt_len, num in [(400, 1), (40, 32)]:
+        blocking = run_with_recorder(directory, 4, balance, prompt_len, num, blocking_loop=True)
+        assert max(blocking.depths) == 1
+        assert blocking.core.max_in_flight == 1
+    if balance:
+        assert max(run_with_recorder(directory, 4, balance, 400, 1).depths) == 4
+
+
 def test_without_balancing_the_seed_workload_never_overlaps_micro_batches(tmp_path):
     directory = make_tiny_checkpoint(tmp_path / "m")
     recorder = run_with_recorder(directory, stages=4, balance=False, prompt_len=40, num=32)
     assert max(recorder.depths) == 1
+
+
+@pytest.mark.parametrize("stages, balance", [(1, True), (2, True), (2, False)])
+def test_same_tokens_with_the_blocking_loop(six_layers, reaped, stages, balance):
+    directory, prompts, expected = six_layers
+    engine_args = dict(
+        pipeline_parallel_size=stages,
+        pp_balance=balance,
+        pp_blocking_loop=True,
+        max_num_batched_tokens=32,
+        max_model_len=512,
+        max_num_seqs=4,
+    )
+    with LLM(str(directory), **engine_args) as llm:
+        outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert llm.engine.stats().pipeline["max_queue_depth"] == 1
 
 
 def test_a_killed_stage_is_a_clear_error_not_a_hang(six_layers, reaped):

@@ -64,6 +64,37 @@ def test_prefill_kernel_sliding_window(kernel_ops, window, length):
     torch.testing.assert_close(out, sdpa_causal(q, k, v, 0.2, window))
 
 
+# A chunk that continues a prompt: its queries see every cached key (or, in a sliding-window
+# layer, those within the window), then the chunk causally.
+@pytest.mark.parametrize("window", [0, 50])
+@pytest.mark.parametrize("prefix, length", [(1, 1), (16, 5), (63, 64), (200, 65), (1000, 130)])
+def test_prefill_kernel_with_cached_prefix_matches_masked_sdpa(kernel_ops, prefix, length, window):
+    heads, kv_heads, head_dim = 9, 3, 64
+    generator = torch.Generator().manual_seed(prefix)
+    q = torch.randn(length, heads, head_dim, generator=generator) * 2
+    k = torch.randn(prefix + length, kv_heads, head_dim, generator=generator) * 2
+    v = torch.randn(prefix + length, kv_heads, head_dim, generator=generator)
+    out = torch.empty(length, heads, head_dim)
+    kernel_ops.prefill_attention(out, q, k, v, 0.125, None, window, prefix)
+    offsets = torch.arange(prefix, prefix + length).unsqueeze(1) - torch.arange(prefix + length)
+    mask = (offsets >= 0) & (offsets < (window or prefix + length))
+
+    def heads_first(x):
+        return x.transpose(0, 1).unsqueeze(0)
+
+    expected = F.scaled_dot_product_attention(
+        heads_first(q),
+        heads_first(k),
+        heads_first(v),
+        attn_mask=mask,
+        scale=0.125,
+        enable_gqa=True,
+    )
+    torch.testing.assert_close(out, expected.squeeze(0).transpose(0, 1))
+    with pytest.raises(RuntimeError, match="shapes"):
+        kernel_ops.prefill_attention(out, q, k, v, 0.125, None, window, prefix + 1)
+
+
 def test_prefill_kernel_rejects_bad_shapes(kernel_ops):
     q, k = torch.randn(8, 4, 24), torch.randn(8, 2, 24)
     with pytest.raises(RuntimeError, match="multiple of 16"):

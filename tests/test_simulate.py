@@ -127,3 +127,17 @@ def test_virtual_time_agrees_with_real_time(tmp_path, reaped):
     step_ms = profile["linear"]["step_s"] * 1000
     for key in ("mean_ttft_ms", "mean_e2el_ms"):
         assert virtual[key] == pytest.approx(real[key], abs=step_ms), key
+
+
+def test_blocking_loop_makes_the_stages_take_turns(tmp_path):
+    """--pp-blocking-loop (vLLM's loop before its PR #28768) in virtual time: one micro-batch
+    in flight, so every micro-batch takes the whole pipe (0.2 s) and the run takes longer
+    than the same balanced run with the loop that does not wait."""
+    flags = ["-pp", "2", "--max-num-seqs", "2", "--num-prompts", "4", "--max-concurrency", "2"]
+    flowing = simulate(tmp_path, *flags, "--random-output-len", "4")
+    blocking = simulate(tmp_path, *flags, "--random-output-len", "4", "--pp-blocking-loop")
+    assert blocking["completed"] == flowing["completed"] == 4
+    # Every token waits for a whole micro-batch's passage: gaps are multiples of 0.2 s.
+    gaps = [gap for gaps in blocking["itls"] for gap in gaps]
+    assert all(round(gap / 0.2, 6) == round(gap / 0.2) and gap > 0 for gap in gaps)
+    assert blocking["duration"] > flowing["duration"]

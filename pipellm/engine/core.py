@@ -7,6 +7,10 @@ output. The queue holds P micro-batches plus `pp_async_batch_depth` spare ones (
 --pp-async-batch-depth) that carry prompt tokens: the scheduler only forms micro-batches that
 need no in-flight output, so a spare one waits at the first stage, ready the moment that
 stage is free.
+
+`pp_blocking_loop` keeps one micro-batch in flight instead: the engine waits for each result
+before scheduling the next, as vLLM's loop did before its PR #28768 (the seed report's second
+half), so that what the non-blocking loop is worth can be measured apart from balancing.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from concurrent.futures import Future
 from pipellm.config import EngineConfig
 from pipellm.engine.block_manager import BlockManager
 from pipellm.engine.chunk_cost import CPU_ATTENTION_SLOWDOWN, ChunkCostModel
+from pipellm.engine.microbatch_size import microbatch_tokens
 from pipellm.engine.output_processor import TextState
 from pipellm.engine.pipeline_stats import PipelineStats
 from pipellm.engine.prompt_check import check_prompt
@@ -85,7 +90,7 @@ class EngineCore:
                 max_num_partial_prefills=config.max_num_partial_prefills,
                 num_stages=config.pipeline_parallel_size,
                 pp_balance=config.pp_balance,
-                pp_microbatch_tokens=config.pp_microbatch_tokens,
+                pp_microbatch_tokens=microbatch_tokens(config),
                 enable_chunked_pipeline=config.enable_chunked_pipeline,
                 chunk_cost=chunk_cost_model(config),
             ),
@@ -95,7 +100,7 @@ class EngineCore:
         self.num_stages = config.pipeline_parallel_size  # P
         # P micro-batches in flight, one a stage, plus pp_async_batch_depth spare ones queued
         # at the first stage, so a late stage or a slow round trip leaves no stage idle while
-        # prompts are being computed.
+        # prompts are being computed. With pp_blocking_loop, one: stages take turns.
         self.max_in_flight = config.max_micro_batches_in_flight
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelOutput]]] = deque()
         # Why a micro-batch failed, once one has: its requests never got their results, so

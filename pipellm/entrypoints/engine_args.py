@@ -108,8 +108,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pp-microbatch-tokens",
         type=int,
-        default=128,  # = EngineConfig's (checked by a test; no torch import here)
-        help="balanced pipelines: most tokens in one micro-batch (default %(default)s); smaller "
+        help="balanced pipelines: most tokens in one micro-batch (default 128; sim backend: the "
+        "fewest tokens whose modelled step its fixed cost no longer dominates); smaller "
         "micro-batches leave shorter bubbles while the pipeline fills and drains",
     )
     g.add_argument(
@@ -125,6 +125,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="micro-batches kept in flight beyond one a stage, waiting at the first stage so "
         "that a late stage or a slow round trip leaves no stage idle (as SGLang's flag of this "
         "name); default: 1 with --distributed-executor-backend ray and -pp > 1, else 0",
+    )
+    g.add_argument(
+        "--pp-blocking-loop",
+        action="store_true",
+        help="wait for each micro-batch's result before scheduling the next, as vLLM's engine "
+        "loop did before its PR #28768: one micro-batch in flight, stages take turns (for "
+        "measuring; off by default)",
     )
     g.add_argument(
         "--pp-chunk-sizing",

@@ -1,5 +1,8 @@
-// Causal attention of a prompt chunk that starts at position 0 (nothing cached before it), as
-// two GEMMs per query block on the register-blocked step of gemm_microkernel.h.
+// Causal attention of a prompt chunk, as two GEMMs per query block on the register-blocked
+// step of gemm_microkernel.h. The chunk may continue a prompt: `prefix` keys (cached, passed
+// before the chunk's own) come first and every query sees them, so a 128-token chunk deep into
+// a long prompt runs at the rate of a whole prompt (SDPA with an explicit mask ran it several
+// times slower).
 //
 // Why a kernel of our own: SDPA's CPU flash kernel ran prompt attention at ~28 GFLOP/s here,
 // a fifth of the machine's fp32 peak. Each task here is one (KV head, block of 64 queries): it
@@ -7,7 +10,8 @@
 // head of the GQA group computes scores = q K^T (only the panels at or left of the diagonal),
 // an exact masked softmax, and out = P V.
 //
-// A sliding-window layer (window > 0) lets row r see keys (r - window, r] only: a query block
+// A sliding-window layer (window > 0) lets the query at position p = prefix + r see keys
+// (p - window, p] only: a query block
 // packs just the keys its rows can see, so its work grows with the window, not the prompt.
 //
 // Groups may be uneven: `group_starts` (kv_heads + 1 offsets) gives each KV head's run of
@@ -35,17 +39,19 @@ using pipellm_kernels::kRows;
 
 constexpr int64_t kQueryBlock = 64;
 
-// out, q: [L, H, D]; k, v: [L, Hkv, D]; last dims contiguous, other strides free. Causal.
+// out, q: [L, H, D]; k, v: [prefix + L, Hkv, D]; last dims contiguous, other strides free.
+// Causal: query row r sees keys up to prefix + r.
 void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                        const at::Tensor& v, double scale, at::OptionalIntArrayRef group_starts,
-                       int64_t window) {
+                       int64_t window, int64_t prefix) {
   for (const at::Tensor* t : {&out, &q, &k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
                     t->stride(2) == 1,
                 "prefill_attention: 3-D float32 CPU tensors with a contiguous last dim");
   const int64_t len = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k.size(1);
-  TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(0) == len &&
+  TORCH_CHECK(prefix >= 0, "prefill_attention: negative prefix");
+  TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(0) == prefix + len &&
                   k.size(2) == head_dim,
               "prefill_attention: shapes do not match");
   const std::vector<int64_t> starts =
@@ -67,8 +73,9 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
       const int64_t block = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
       const int64_t r0 = block * kQueryBlock, r1 = std::min(len, r0 + kQueryBlock);
       // The block's first visible key, rounded down to a panel; packed key j is key k0 + j.
-      const int64_t k0 = window > 0 ? std::max<int64_t>(0, r0 - window + 1) / kPanel * kPanel : 0;
-      const int64_t keys = r1 - k0, key_panels = (keys + kPanel - 1) / kPanel;
+      const int64_t k0 =
+          window > 0 ? std::max<int64_t>(0, prefix + r0 - window + 1) / kPanel * kPanel : 0;
+      const int64_t keys = prefix + r1 - k0, key_panels = (keys + kPanel - 1) / kPanel;
       const int64_t padded = key_panels * kPanel;
       // keys_packed[p, d, j] = k[16 p + j, h, d]; values_packed[c, t, j] = v[t, h, 16 c + j].
       at::Tensor keys_packed = at::zeros({key_panels, head_dim, kPanel}, options);
@@ -88,22 +95,24 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
       for (int64_t head = starts[h]; head < starts[h + 1]; ++head) {
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t rows = std::min(kRows, r1 - r);
-          const int64_t visible = r + rows - k0;  // packed keys this block's last row sees
+          const int64_t visible = prefix + r + rows - k0;  // packed keys its last row sees
           for (int64_t p = 0; p * kPanel < visible; ++p)
             kRowBlock[rows](qp + r * q.stride(0) + head * q.stride(1), q.stride(0),
                             kpk + p * head_dim * kPanel, 0, head_dim,
                             sp + (r - r0) * padded + p * kPanel, padded, false, nullptr, nullptr);
         }
         for (int64_t r = r0; r < r1; ++r) {
-          const int64_t hidden = (window > 0 ? std::max<int64_t>(0, r - window + 1) : 0) - k0;
+          const int64_t position = prefix + r;
+          const int64_t hidden =
+              (window > 0 ? std::max<int64_t>(0, position - window + 1) : 0) - k0;
           float* row = sp + (r - r0) * padded;
           std::fill(row, row + hidden, 0.0f);
-          masked_softmax(row + hidden, r + 1 - k0 - hidden, padded - hidden,
+          masked_softmax(row + hidden, position + 1 - k0 - hidden, padded - hidden,
                          static_cast<float>(scale));
         }
         for (int64_t r = r0; r < r1; r += kRows) {
           const int64_t rows = std::min(kRows, r1 - r);
-          const int64_t depth = r + rows - k0;  // probabilities past it are zero for these rows
+          const int64_t depth = prefix + r + rows - k0;  // probabilities past it are zero
           for (int64_t c = 0; c < dim_panels; ++c)
             kRowBlock[rows](sp + (r - r0) * padded, padded, vpk + c * padded * kPanel, 0, depth,
                             op + r * out.stride(0) + head * out.stride(1) + c * kPanel,
@@ -119,6 +128,6 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, "
-      "int[]? group_starts=None, int window=0) -> ()",
+      "int[]? group_starts=None, int window=0, int prefix=0) -> ()",
       &prefill_attention);
 }

@@ -126,21 +126,23 @@ def paged_attention(
         ).squeeze(2)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
-        # The prompt kernel's GEMM step works on 16-wide panels of the head dimension.
-        if chunk.block_table is None and q.shape[-1] % 16 == 0 and kernels_apply(q):
-            ops().prefill_attention(out[rows], q[rows], k[rows], v[rows], scale, starts, window)
-            continue
         if chunk.block_table is None:  # nothing cached before: attend to the fresh keys
             keys, values, mask = k[rows], v[rows], None
-            if window:
-                mask = window_mask(chunk.length, chunk.length, window)
         else:
             context_len = chunk.mask.shape[1]
             keys = gather_blocks(k_cache, chunk.block_table)[:context_len]
             values = gather_blocks(v_cache, chunk.block_table)[:context_len]
             mask = chunk.mask
-            if window:
-                mask = mask & window_mask(chunk.length, context_len, window)
+        # The prompt kernel's GEMM step works on 16-wide panels of the head dimension. It takes
+        # a chunk that continues a prompt too (the cached keys first): SDPA with the explicit
+        # mask ran a 128-token chunk after 2000 cached tokens several times slower.
+        if q.shape[-1] % 16 == 0 and kernels_apply(q) and keys.dtype == q.dtype:
+            prefix = keys.shape[0] - chunk.length
+            ops().prefill_attention(out[rows], q[rows], keys, values, scale, starts, window, prefix)
+            continue
+        if window:
+            in_window = window_mask(chunk.length, keys.shape[0], window)
+            mask = in_window if mask is None else mask & in_window
         # NOTE: 4-D inputs: SDPA's 3-D path with enable_gqa is about twice as slow on CPU.
         out[rows] = (
             F.scaled_dot_product_attention(
