@@ -94,9 +94,10 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None
     )
     add_eos = gguf_value(reader, "tokenizer.ggml.add_eos_token", False) and eos is not None
-    backend.post_processor = _bos_eos_processor(
-        tokens, bos if add_bos else None, eos if add_eos else None
-    )
+    if add_bos or add_eos:  # NOTE: none at all when nothing is added: a no-op one costs time
+        backend.post_processor = _bos_eos_processor(
+            tokens, bos if add_bos else None, eos if add_eos else None
+        )
     return Tokenizer(
         backend,
         bos_token_id=bos,
@@ -198,11 +199,10 @@ def _byte_level_bpe(
 
 
 def _pre_tokenizer_steps(regexes: tuple[str, ...]) -> list[pre_tokenizers.PreTokenizer]:
-    """The rule's splits, then the byte-level mapping. Two common steps use the equivalent
-    built-ins, which run without the regex engine and encode SmolLM2's prompts ~10% faster:
-    single digits (Digits splits at Unicode numerics, as \\p{N}) and GPT-2's split
-    (ByteLevel's own regex is GPT-2's with a final "|\\s+", which only names a piece the split
-    isolates anyway)."""
+    """The rule's splits, then the byte-level mapping. Two common steps use tokenizers'
+    equivalent built-ins, as Hugging Face's own GPT-2-style tokenizers do: single digits
+    (Digits splits at Unicode numerics, as \\p{N}) and GPT-2's split (ByteLevel's regex is
+    GPT-2's with a final "|\\s+", which only names a piece the split isolates anyway)."""
     steps: list[pre_tokenizers.PreTokenizer] = [
         pre_tokenizers.Digits(individual_digits=True)
         if regex == r"\p{N}"
