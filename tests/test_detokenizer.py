@@ -10,6 +10,7 @@ from pipellm.loader.source import resolve_model
 from pipellm.text.detokenizer import IncrementalDetokenizer
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from tests.checkpoints import make_tiny_tokenizer
+from tests.gguf_tokenizer_files import write_sentencepiece_gguf
 
 TEXTS = [
     "plain ascii, with spaces  and\nnewlines",
@@ -26,10 +27,15 @@ def _wrap(backend: tokenizers.Tokenizer) -> Tokenizer:
     )
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2"])
-def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
+@pytest.fixture(scope="module", params=["tiny", "smollm2", "sentencepiece-gguf"])
+def tokenizer(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Tokenizer:
     if request.param == "tiny":
         return _wrap(make_tiny_tokenizer())
+    if request.param == "sentencepiece-gguf":  # "▁" spaces, a space prefix, <0xXX> bytes
+        path = write_sentencepiece_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf")
+        return load_tokenizer(resolve_model(str(path)))
     return load_tokenizer(resolve_model(None))
 
 

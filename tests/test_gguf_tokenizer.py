@@ -35,7 +35,7 @@ SPACE_PREFIX_KINDS = {"spm-llama2"}  # SentencePiece files that put a space befo
 def _has_llama_cpp() -> bool:
     try:
         import llama_cpp  # noqa: F401
-    except ImportError:  # absent, or its shared library is missing
+    except (ImportError, OSError, RuntimeError):  # absent, or its shared library is missing
         return False
     return True
 

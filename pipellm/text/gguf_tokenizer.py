@@ -33,7 +33,6 @@ _MODEL_KEY = "tokenizer.ggml.model"
 _PRE_KEY = "tokenizer.ggml.pre"
 _KINDS = {"llama": "SentencePiece", "gpt2": "byte-level BPE"}
 _SPACE = "▁"  # U+2581, SentencePiece's stand-in for a space
-_BOS_KEY = "tokenizer.ggml.bos_token_id"
 
 # Tokens that end generation, found by their text as llama.cpp does (a GGUF file names one EOS
 # only; Gemma's <end_of_turn>, for one, ends a chat turn). llama.cpp marks them control tokens.
@@ -71,16 +70,10 @@ def check_gguf_tokenizer(path: Path) -> None:
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
     reader = open_gguf(path)
     rule = _pre_tokenizer_rule(reader)
-    tokens = [
-        text or f"[EMPTY_{i}]" for i, text in enumerate(gguf_value(reader, "tokenizer.ggml.tokens"))
-    ]
-    types = gguf_value(reader, "tokenizer.ggml.token_type", None) or [gguf.TokenType.NORMAL] * len(
-        tokens
-    )
-    types = [
-        gguf.TokenType.CONTROL if text in _END_OF_GENERATION else kind
-        for text, kind in zip(tokens, types, strict=True)
-    ]
+    # llama.cpp names empty tokens so that every text maps to one id.
+    raw = gguf_value(reader, "tokenizer.ggml.tokens")
+    tokens = [text or f"[EMPTY_{i}]" for i, text in enumerate(raw)]
+    types = _token_types(reader, tokens)
     if rule is None:
         backend = _sentencepiece(reader, tokens)
         add_bos_default, has_bos = True, True
@@ -95,15 +88,16 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
 
     # llama.cpp's defaults when the file names no BOS/EOS: SentencePiece's ids 1 and 2.
     default_bos, default_eos = (1, 2) if rule is None else (None, None)
-    bos = gguf_value(reader, _BOS_KEY, default_bos) if has_bos else None
+    bos = gguf_value(reader, "tokenizer.ggml.bos_token_id", default_bos) if has_bos else None
     eos = gguf_value(reader, "tokenizer.ggml.eos_token_id", default_eos)
     add_bos = (
         gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None
     )
     add_eos = gguf_value(reader, "tokenizer.ggml.add_eos_token", False) and eos is not None
-    backend.post_processor = _bos_eos_processor(
-        tokens, bos if add_bos else None, eos if add_eos else None
-    )
+    if add_bos or add_eos:  # NOTE: none at all when nothing is added: a no-op one costs time
+        backend.post_processor = _bos_eos_processor(
+            tokens, bos if add_bos else None, eos if add_eos else None
+        )
     return Tokenizer(
         backend,
         bos_token_id=bos,
@@ -111,6 +105,17 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         chat_template=gguf_value(reader, "tokenizer.chat_template", None),
         add_bos_token=False,  # the post-processor adds BOS (and EOS) as the file says
     )
+
+
+def _token_types(reader: GGUFFile, tokens: list[str]) -> list[int]:
+    """The file's token types, with end-of-generation tokens made control tokens (llama.cpp
+    overrides them so, as some files mark them normal)."""
+    types = gguf_value(reader, "tokenizer.ggml.token_type", None)
+    types = types or [gguf.TokenType.NORMAL] * len(tokens)
+    return [
+        gguf.TokenType.CONTROL if text in _END_OF_GENERATION else kind
+        for text, kind in zip(tokens, types, strict=True)
+    ]
 
 
 def _pre_tokenizer_rule(reader: GGUFFile) -> PreTokenizerRule | None:
@@ -194,11 +199,10 @@ def _byte_level_bpe(
 
 
 def _pre_tokenizer_steps(regexes: tuple[str, ...]) -> list[pre_tokenizers.PreTokenizer]:
-    """The rule's splits, then the byte-level mapping. Two common steps use the equivalent
-    built-ins, which run without the regex engine and encode SmolLM2's prompts ~10% faster:
-    single digits (Digits splits at Unicode numerics, as \\p{N}) and GPT-2's split
-    (ByteLevel's own regex is GPT-2's with a final "|\\s+", which only names a piece the split
-    isolates anyway)."""
+    """The rule's splits, then the byte-level mapping. Two common steps use tokenizers'
+    equivalent built-ins, as Hugging Face's own GPT-2-style tokenizers do: single digits
+    (Digits splits at Unicode numerics, as \\p{N}) and GPT-2's split (ByteLevel's regex is
+    GPT-2's with a final "|\\s+", which only names a piece the split isolates anyway)."""
     steps: list[pre_tokenizers.PreTokenizer] = [
         pre_tokenizers.Digits(individual_digits=True)
         if regex == r"\p{N}"
