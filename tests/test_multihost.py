@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipellm import LLM
-from pipellm.bench.netns_cluster import TwoHostCluster, unavailable_reason
+from pipellm.testing.netns_cluster import TwoHostCluster, unavailable_reason
 from tests.multihost_driver import GREEDY, PROMPTS
 
 pytest.importorskip("ray")

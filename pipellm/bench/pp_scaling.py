@@ -279,7 +279,7 @@ def main() -> None:
     setups = [s for s in SETUPS if s.label[0] in args.only]
     on_cluster = any(s.engine_args.get("distributed_executor_backend") for s in setups)
     if args.two_hosts and not os.environ.get("RAY_ADDRESS"):
-        from pipellm.bench.netns_cluster import TwoHostCluster
+        from pipellm.testing.netns_cluster import TwoHostCluster
 
         with TwoHostCluster(num_cpus=1) as cluster:  # run all setups on its first host
             argv = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]

@@ -100,7 +100,7 @@ def main() -> None:
     if args.endpoint is not None:
         endpoint(args)
         return
-    from pipellm.bench.netns_cluster import TwoHostCluster, unavailable_reason
+    from pipellm.testing.netns_cluster import TwoHostCluster, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
