@@ -30,6 +30,7 @@ LAYERS = [
     "pipellm",  # the package's public names
     "bench",  # benchmarks
     "entrypoints",  # CLI and servers
+    "testing",  # harnesses for tests and benchmarks: a cluster on one machine, a server process
     "bench scripts",  # runnable benchmarks (python -m pipellm.bench.NAME): leaves, they drive all
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import Future
 
@@ -16,7 +17,7 @@ from pipellm.worker.worker import StageWorker
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.threads_per_stage)
-        self.worker = StageWorker(config, stage_index=0)
+        self.worker = StageWorker(config, stage_index=0, check_host=socket.gethostname())
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelOutput]:
         future: Future[ModelOutput] = Future()

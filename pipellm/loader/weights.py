@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from pipellm.loader.gguf_file import open_gguf
+from pipellm.loader.gguf_tensors import TensorEntry, map_tensors, read_tensor_index
 from pipellm.loader.source import ModelSource
 from pipellm.model.gguf_linear import KERNEL_KINDS, QuantizedWeight
 from pipellm.model.model_config import ModelConfig
@@ -187,6 +187,29 @@ def iter_quantized_weights(
             yield name, QuantizedWeight(tensor.tensor_type, blocks)
 
 
+def stage_weight_names(
+    config: ModelConfig, stage: StageSpec, available: Container[str]
+) -> Iterator[str]:
+    """The Hugging Face names of the weights a stage loads (biases where `available` has
+    them), without reading any."""
+    return _Stage(config, stage).weight_names(available)
+
+
+def gguf_tensor_index(path: Path) -> dict[str, TensorEntry]:
+    """The GGUF file's tensors the model uses, by Hugging Face name, from its header only."""
+    entries = {}
+    for entry in read_tensor_index(path):
+        hf_name = _hf_name(entry.name)
+        if hf_name is not None:
+            entries[hf_name] = entry
+    return entries
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes of all a GGUF file's tensors, as stored."""
+    return sum(entry.n_bytes for entry in read_tensor_index(path))
+
+
 def check_gguf_tensor_parallel(source: ModelSource, plans: list[TensorParallelPlan]) -> None:
     """Raises TensorParallelError if a rank's columns of a quantized row-parallel weight
     (o_proj, down_proj) would cut through its GGUF blocks."""
@@ -198,9 +221,11 @@ def check_gguf_tensor_parallel(source: ModelSource, plans: list[TensorParallelPl
 
 
 def _gguf_tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
-    """The file's tensors by Hugging Face name (those the model uses)."""
+    """The file's tensors by Hugging Face name (those the model uses), as views of a fresh
+    map of the file: a stage touches only its own tensors' pages, and once its load drops
+    the views the map and the pages go (loader/gguf_tensors.py)."""
     tensors = {}
-    for tensor in open_gguf(path).tensors:
+    for tensor in map_tensors(path):
         hf_name = _hf_name(tensor.name)
         if hf_name is not None:
             tensors[hf_name] = tensor
