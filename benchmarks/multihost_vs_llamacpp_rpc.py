@@ -115,7 +115,6 @@ def stop(process: subprocess.Popen) -> None:
 def pipellm_flags(args: argparse.Namespace) -> list[str]:
     return [
         "serve",
-        "--model",
         args.model_path,
         "-pp",
         "2",
