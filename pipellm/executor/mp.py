@@ -254,7 +254,8 @@ def stage_main(
         from pipellm.worker.pipeline_stage import PipelineStage
         from pipellm.worker.process_group import Rendezvous
 
-        stage = PipelineStage(config, rank, Rendezvous(LOOPBACK, port))
+        # Each stage checks its own memory before loading (the host's stages start at once).
+        stage = PipelineStage(config, rank, Rendezvous(LOOPBACK, port), None, socket.gethostname())
         conn.send(StageReady(stage.worker.memory))
     except BaseException:
         conn.send(StageFailed(traceback.format_exc()))
