@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,9 @@ def test_hosts_get_a_shaped_link_their_own_core_and_a_memory_limit():
         cluster.exec(1, [sys.executable, "-c", send], check=True)
         assert _qdisc(cluster, 1) != sent_before
         server = cluster.popen(0, ["sleep", "300"])  # a server still running at the end
+        deadline = time.monotonic() + 10
+        while server.pid not in cluster.pids(0) and time.monotonic() < deadline:
+            time.sleep(0.05)  # its shell joins the cgroups first, then enters the network
         assert server.pid in cluster.pids(0)
     server.wait(timeout=10)
     assert _left_behind(cluster) == []
