@@ -97,6 +97,7 @@ class TwoHostCluster:
         self.cgroups = [
             {c: own_cgroup(c) / f"pipellm-h{h}-{tag}" for c in controllers} for h in range(2)
         ]
+        self.started: list[subprocess.Popen] = []
         self.temp_dir = Path(tempfile.mkdtemp(prefix="pipellm-netns-"))
         # Token authentication, as `ray start --head` enables by default, with a token of the
         # cluster's own: a fresh machine has no ~/.ray/auth_token, and a user's stays untouched.
@@ -186,9 +187,11 @@ class TwoHostCluster:
 
     def popen(self, host: int, command: list[str], **kwargs: object) -> subprocess.Popen:
         """Starts a command on a host (a server); close() kills it with the host's processes."""
-        return subprocess.Popen(
+        process = subprocess.Popen(
             self.command(host, command), env=self.host_env(kwargs.pop("env", None)), **kwargs
         )
+        self.started.append(process)  # killed by close() even before it joined its host
+        return process
 
     def host_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         ray_bin = str(Path(sys.executable).parent)
@@ -223,6 +226,10 @@ class TwoHostCluster:
     def close(self) -> None:
         """Kills every process on both hosts, then removes their cgroups and namespaces and
         the veth pair; safe to repeat."""
+        for process in self.started:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
         for host, ns in enumerate(self.namespaces):
             deadline = time.monotonic() + 10.0
             while (pids := self.pids(host)) and time.monotonic() < deadline:
