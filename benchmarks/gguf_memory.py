@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+from pathlib import Path
 
 import torch
 
@@ -46,11 +47,11 @@ def anonymous_resident() -> int:
 
 def file_share(path: str, config, stage) -> int:
     """Bytes of the file's tensors that `stage` reads (a tied embedding counted once)."""
-    from pipellm.loader.weights import _gguf_tensors, _Stage
+    from pipellm.loader.weights import gguf_tensor_index, stage_weight_names
 
-    tensors = _gguf_tensors(path)
-    names = set(_Stage(config, stage).weight_names(tensors))
-    return sum(int(tensors[name].n_bytes) for name in names if name in tensors)
+    tensors = gguf_tensor_index(Path(path), config)
+    names = set(stage_weight_names(config, stage, tensors))
+    return sum(tensors[name].n_bytes for name in names if name in tensors)
 
 
 def main() -> None:

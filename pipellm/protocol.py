@@ -7,6 +7,7 @@ Everything here is small and picklable on purpose: it crosses process boundaries
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipellm.sampling_params import SamplingParams
 
@@ -180,6 +181,8 @@ FromCore = CoreReady | Outputs | Rejected | StatsReply | CoreDead
 @dataclass
 class StageReady:
     """The stage loaded its weights and joined its process groups."""
+
+    memory: Any = None  # what it holds: worker/stage_memory.py's LoadedStage
 
 
 @dataclass

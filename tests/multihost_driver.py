@@ -1,8 +1,10 @@
 """The driver of test_multihost: runs on the first host of a two-host cluster (RAY_ADDRESS set).
 
 Prints one JSON line: what `pipellm serve` on the cluster answered and left behind, where
-each stage ran and its greedy tokens, the error for a pipeline the cluster cannot hold, how
-an idle pipeline notices its second host frozen, and how a killed second host ends a run.
+each stage ran and its greedy tokens with each host's memory limited to a little more than
+half the model, the error for a pipeline the cluster cannot hold and for the whole model on
+one host, how an idle pipeline notices its second host frozen, and how a killed second host
+ends a run.
 """
 
 from __future__ import annotations
@@ -21,11 +23,18 @@ import openai
 import psutil
 
 from pipellm import LLM, SamplingParams
+from pipellm.config import EngineConfig
 from pipellm.engine.core_process import HEALTH_CHECK_INTERVAL_S
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.ray_cluster import RayClusterError
 from pipellm.executor.ray_executor import RayExecutor
 from pipellm.testing.server_process import ServerProcess
+from pipellm.worker.stage_memory import (
+    HostMemoryError,
+    host_limit,
+    plan_stage_memory,
+    resident_bytes,
+)
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -91,13 +100,32 @@ def frozen_host(executor: RayExecutor, namespace: str) -> dict:
             os.kill(pid, signal.SIGCONT)
 
 
-def main(raylet_pid_file: str, log_dir: str, second_host_namespace: str) -> None:
+def limit_memory(cgroups: list[str]) -> dict:
+    """Lowers each host's memory cgroup limit to what its processes hold now, plus a stage's
+    runtime, plus halfway between what half the model (a stage of -pp 2) and the whole model
+    (-pp 1) need to load: -pp 2 across the hosts fits, -pp 1 on one host does not."""
+    half = EngineConfig(pipeline_parallel_size=2, distributed_executor_backend="ray")
+    whole = EngineConfig(distributed_executor_backend="ray")
+    need_half = max(plan_stage_memory(half, stage).to_load for stage in (0, 1))
+    need_whole = plan_stage_memory(whole, 0).to_load
+    runtime = resident_bytes()  # a stage process's runtime is about this driver's
+    limit = host_limit().in_use + runtime + (need_half + need_whole) // 2
+    for group in cgroups:
+        Path(group, "memory.limit_in_bytes").write_text(str(limit))
+    return {"limit": limit, "half": need_half, "whole": need_whole}
+
+
+def main(
+    raylet_pid_file: str, log_dir: str, second_host_namespace: str, memory_cgroups: str
+) -> None:
     report: dict = {"served": serve(Path(log_dir) / "serve.log")}
     started = time.monotonic()
     try:
         LLM(pipeline_parallel_size=3, distributed_executor_backend="ray")
     except RayClusterError as error:
         report["too_big"] = {"error": str(error), "seconds": time.monotonic() - started}
+    memory_cgroups = json.loads(memory_cgroups)
+    report["memory_limit"] = limit_memory(memory_cgroups)
     llm = LLM(pipeline_parallel_size=2, distributed_executor_backend="ray")
     try:
         report["stages"] = [vars(loc) for loc in llm.engine.executor.locations]
@@ -107,6 +135,11 @@ def main(raylet_pid_file: str, log_dir: str, second_host_namespace: str) -> None
         report["frozen"] = frozen_host(llm.engine.executor, second_host_namespace)
     finally:
         llm.shutdown()
+    try:
+        LLM(distributed_executor_backend="ray").shutdown()  # the whole model on the first host
+        report["whole_model"] = {"error": None}
+    except HostMemoryError as error:
+        report["whole_model"] = {"error": str(error)}
     llm = LLM(pipeline_parallel_size=2, distributed_executor_backend="ray")
     try:
         report["stages_again"] = [vars(loc) for loc in llm.engine.executor.locations]
@@ -133,4 +166,4 @@ def main(raylet_pid_file: str, log_dir: str, second_host_namespace: str) -> None
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4])

@@ -16,22 +16,35 @@ pytest.importorskip("ray")
 REASON = unavailable_reason()
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "multihost_driver.py"
+MIB = 1 << 20
+ROOMY = 16 << 30
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no two-host cluster here: {REASON}")
 def test_two_hosts_serve_give_the_mp_tokens_and_a_dead_host_is_a_clear_error(tmp_path, reaped):
     """One cluster start for all of it (the suite's time): `pipellm serve` across the hosts
-    and its orderly stop, then offline runs: the greedy tokens, a host frozen while idle, a
+    and its orderly stop, then offline runs: the greedy tokens with each host's memory below
+    the whole model's need, the whole model refused on one host, a host frozen while idle, a
     host's death mid-run."""
     with LLM(pipeline_parallel_size=2) as llm:  # the mp backend, on this host
         outputs = llm.generate(PROMPTS, GREEDY)
     expected = [o.outputs[0].token_ids for o in outputs]
-    with TwoHostCluster(num_cpus=1) as cluster:
+    # Each host's processes in a memory cgroup: roomy for `pipellm serve`, then lowered by the
+    # driver to between what half the model and the whole model need on top of what runs.
+    with TwoHostCluster(num_cpus=1, memory_limit=ROOMY) as cluster:
         pid_file = tmp_path / "raylet.pid"
         pid_file.write_text(str(cluster.raylet_pid(1)))
+        cgroups = json.dumps([str(groups["memory"]) for groups in cluster.cgroups])
         done = cluster.exec(
             0,
-            [sys.executable, str(DRIVER), str(pid_file), str(tmp_path), cluster.namespaces[1]],
+            [
+                sys.executable,
+                str(DRIVER),
+                str(pid_file),
+                str(tmp_path),
+                cluster.namespaces[1],
+                cgroups,
+            ],
             env={**cluster.driver_env(), "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,
@@ -54,7 +67,15 @@ def test_two_hosts_serve_give_the_mp_tokens_and_a_dead_host_is_a_clear_error(tmp
     # One stage per host: each ran in its own namespace, at its own address.
     assert [s["address"] for s in report["stages"]] == cluster.addresses
     assert len({s["netns"] for s in report["stages"]}) == 2
+    # Half the model fits on each host, so -pp 2 across them serves the reference tokens;
+    # the whole model on one host is refused before loading, naming the host, need and limit.
     assert report["tokens"] == expected
+    limit = report["memory_limit"]
+    assert limit["half"] < limit["whole"]
+    refused = report["whole_model"]["error"] or "no error"
+    assert refused.startswith("out of memory: host 10.213.0.1 ("), refused
+    assert f"needs {limit['whole'] / MIB:.1f} MiB" in refused
+    assert f"memory limit is {limit['limit'] / MIB:.1f} MiB (cgroup " in refused
     assert "need 3 x 1 CPU (the cluster has 2)" in report["too_big"]["error"]
     # A frozen host never answers, and Ray declares it dead only after its node health check
     # (15 s or more): the engine's idle ping round names it first.

@@ -111,8 +111,8 @@ def test_int8_activations_keep_nearly_every_greedy_token(single_stage):
 
 
 def test_weights_taken_quantized_are_never_dequantized(monkeypatch):
-    """The load's peak memory is the quantized model: only the embedding (its lookup needs
-    float32 rows) and the norms are dequantized."""
+    """The load's peak memory is the quantized model: only the norms are dequantized (the
+    embedding's lookup dequantizes the rows it looks up, model/quantized_embedding.py)."""
     if not cpu_kernels_available():
         pytest.skip("CPU kernels unavailable: the float32 path runs")
     dequantized = []
@@ -123,5 +123,4 @@ def test_weights_taken_quantized_are_never_dequantized(monkeypatch):
     with LLM(max_num_seqs=1, max_model_len=256, kv_cache_memory=1 << 24) as llm:
         answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in answer[0].outputs[0].text
-    assert "token_embd.weight" in dequantized
-    assert all(name == "token_embd.weight" or "norm" in name for name in dequantized), dequantized
+    assert dequantized and all("norm" in name for name in dequantized), dequantized

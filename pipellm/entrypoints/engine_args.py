@@ -68,7 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-memory",
         type=int,
-        help="bytes of KV cache over all stages on CPU (default 1 GiB)",
+        help="bytes of KV cache of the whole pipeline on CPU (default 1 GiB): each stage "
+        "holds its layers' share, logged at start with its weights (docs/multinode.md)",
     )
     g.add_argument(
         "--gpu-memory-utilization",

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -31,6 +32,7 @@ from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.remote import RemoteStagesExecutor
 from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady, one_line
 from pipellm.worker.net import LOOPBACK, free_port
+from pipellm.worker.stage_memory import LoadedStage, host_limit, log_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class MultiprocExecutor(RemoteStagesExecutor):
         # Reap the stages even if the owner forgets to call shutdown().
         self._finalizer = weakref.finalize(self, reap, self.processes, self.conns)
         try:
-            wait_ready(
+            ready = wait_ready(
                 self.processes,
                 self.conns,
                 lambda rank: f"pipeline stage {rank}",
@@ -63,6 +65,12 @@ class MultiprocExecutor(RemoteStagesExecutor):
         except BaseException:
             self.shutdown()
             raise
+        # What each stage holds, as it measured itself; all of them on this host.
+        self.stage_memory: list[LoadedStage] = [message.memory for message in ready]
+        for loaded in self.stage_memory:
+            logger.info("%s", loaded.describe())
+        planned = {loaded.name: loaded.planned for loaded in self.stage_memory}
+        log_host_memory(socket.gethostname(), planned, host_limit())
         self._reader = threading.Thread(target=self._read_outputs, daemon=True)
         self._reader.start()
 
@@ -166,11 +174,13 @@ def wait_ready(
     conns: list[Connection],
     label: Callable[[int], str],
     timeout_message: str,
-) -> None:
-    """Waits for every child's StageReady on its pipe; a startup error, an early exit or
-    STARTUP_TIMEOUT_S raises WorkerDiedError at once, naming the child by `label(index)`."""
+) -> list[StageReady]:
+    """Waits for every child's StageReady on its pipe, and returns them in the children's
+    order; a startup error, an early exit or STARTUP_TIMEOUT_S raises WorkerDiedError at
+    once, naming the child by `label(index)`."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     waiting = set(range(len(processes)))
+    messages: dict[int, StageReady] = {}
     while waiting:
         watched = {conns[i]: i for i in waiting}
         watched.update({processes[i].sentinel: i for i in waiting})
@@ -186,7 +196,9 @@ def wait_ready(
             message: StageReady | StageFailed = conns[i].recv()
             if isinstance(message, StageFailed):
                 raise WorkerDiedError(f"{label(i)} failed to start:\n{message.traceback}")
+            messages[i] = message
             waiting.discard(i)
+    return [messages[i] for i in range(len(processes))]
 
 
 def join_or_kill(processes: list[mp.process.BaseProcess], timeout_s: float) -> None:
@@ -242,8 +254,9 @@ def stage_main(
         from pipellm.worker.pipeline_stage import PipelineStage
         from pipellm.worker.process_group import Rendezvous
 
-        stage = PipelineStage(config, rank, Rendezvous(LOOPBACK, port))
-        conn.send(StageReady())
+        # Each stage checks its own memory before loading (the host's stages start at once).
+        stage = PipelineStage(config, rank, Rendezvous(LOOPBACK, port), None, socket.gethostname())
+        conn.send(StageReady(stage.worker.memory))
     except BaseException:
         conn.send(StageFailed(traceback.format_exc()))
         return

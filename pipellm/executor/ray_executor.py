@@ -33,6 +33,12 @@ from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.ray_stage import StageActor, StageLocation
 from pipellm.executor.remote import RemoteStagesExecutor
 from pipellm.protocol import ModelOutput, SchedulerOutput, one_line
+from pipellm.worker.stage_memory import (
+    HostLimit,
+    StageMemory,
+    check_host_fits,
+    log_host_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +103,9 @@ class RayExecutor(RemoteStagesExecutor):
                 [a.locate.remote() for a in self.actors], "check the model"
             )
             self.pids = [loc.pid for loc in self.locations]
+            self._check_memory(
+                self._wait_all([a.plan_memory.remote() for a in self.actors], "plan its memory")
+            )
             one_host = len({loc.node_id for loc in self.locations}) == 1
             first = self.actors[0].open_rendezvous.remote(one_host)
             host, port = self._wait_all([first], "open the rendezvous")[0]
@@ -120,6 +129,18 @@ class RayExecutor(RemoteStagesExecutor):
             )
         self._pings: list[Future[Any]] = []
         self._idle_since: float | None = None  # when the unanswered ping round went out idle
+
+    def _check_memory(self, plans: list[tuple[StageMemory, HostLimit]]) -> None:
+        """Logs each stage's memory and each host's total, and fails before anything loads,
+        naming the host, if a host's stages do not fit in its memory limit."""
+        hosts: dict[str, tuple[StageLocation, HostLimit, dict[str, StageMemory]]] = {}
+        for rank, (memory, limit) in enumerate(plans):
+            loc = self.locations[rank]
+            logger.info("%s on host %s: %s", self._name(rank), loc.address, memory.describe())
+            hosts.setdefault(loc.node_id, (loc, limit, {}))[2][self._name(rank)] = memory
+        for loc, limit, stages in hosts.values():
+            log_host_memory(f"{loc.address} ({loc.hostname})", stages, limit)
+            check_host_fits(f"{loc.address} ({loc.hostname})", stages, limit)
 
     def _wait_all(self, refs: list[Any], what: str) -> list[Any]:
         """Results of one startup phase; the first failure raises at once, naming its stage."""

@@ -14,6 +14,7 @@ from pipellm.loader.registry import find_preset
 from pipellm.loader.source import ModelNotFoundError, resolve_model
 from pipellm.protocol import ModelOutput, SchedulerOutput
 from pipellm.worker.net import LOOPBACK, listening_socket
+from pipellm.worker.stage_memory import HostLimit, StageMemory, host_limit, plan_stage_memory
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class StageActor:
             os.getpid(),
             os.readlink("/proc/self/ns/net") if os.path.exists("/proc/self/ns/net") else "",
         )
+
+    def plan_memory(self) -> tuple[StageMemory, HostLimit]:
+        """What this stage will hold (its runtime measured now, before loading) and its host's
+        memory limit as this process sees it."""
+        stage, tp_rank = divmod(self.rank, self.config.tensor_parallel_size)
+        return plan_stage_memory(self.config, stage, tp_rank), host_limit()
 
     def open_rendezvous(self, one_host: bool) -> tuple[str, int]:
         """The first stage listens on its host's address (loopback when all share one host)."""

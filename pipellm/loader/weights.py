@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from pipellm.loader.gguf_file import open_gguf
+from pipellm.loader.gguf_tensors import TensorEntry, map_tensors, read_tensor_index
 from pipellm.loader.source import ModelSource
 from pipellm.model.gguf_linear import GGUF_KERNEL_TYPES, QuantizedWeight
 from pipellm.model.model_config import ModelConfig
@@ -237,6 +237,29 @@ def check_gguf_kernel_types(source: ModelSource, config: ModelConfig) -> None:
             )
 
 
+def stage_weight_names(
+    config: ModelConfig, stage: StageSpec, available: Container[str]
+) -> Iterator[str]:
+    """The Hugging Face names of the weights a stage loads (biases where `available` has
+    them), without reading any."""
+    return _Stage(config, stage).weight_names(available)
+
+
+def gguf_tensor_index(path: Path, config: ModelConfig) -> dict[str, TensorEntry]:
+    """The GGUF file's tensors the model uses, by Hugging Face name, from its header only."""
+    entries = {}
+    for entry in read_tensor_index(path):
+        hf_name = _hf_name(entry.name, _layer_names(config))
+        if hf_name is not None:
+            entries[hf_name] = entry
+    return entries
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes of all a GGUF file's tensors, as stored."""
+    return sum(entry.n_bytes for entry in read_tensor_index(path))
+
+
 def check_gguf_tensor_parallel(
     source: ModelSource, config: ModelConfig, plans: list[TensorParallelPlan]
 ) -> None:
@@ -249,13 +272,20 @@ def check_gguf_tensor_parallel(
                 check_row_split(plan, name, block_values)
 
 
-def _gguf_tensors(path: Path, config: ModelConfig) -> dict[str, gguf.ReaderTensor]:
-    """The file's tensors by Hugging Face name (those the model uses)."""
-    layer_names = _GGUF_LAYER_NAMES
+def _layer_names(config: ModelConfig) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names -> Hugging Face's, for this model's layout."""
     if config.sandwich_norms:
-        layer_names = {**layer_names, **_GGUF_SANDWICH_NAMES}
+        return {**_GGUF_LAYER_NAMES, **_GGUF_SANDWICH_NAMES}
+    return _GGUF_LAYER_NAMES
+
+
+def _gguf_tensors(path: Path, config: ModelConfig) -> dict[str, gguf.ReaderTensor]:
+    """The file's tensors by Hugging Face name (those the model uses), as views of a fresh
+    map of the file: a stage touches only its own tensors' pages, and once its load drops
+    the views the map and the pages go (loader/gguf_tensors.py)."""
+    layer_names = _layer_names(config)
     tensors = {}
-    for tensor in open_gguf(path).tensors:
+    for tensor in map_tensors(path):
         hf_name = _hf_name(tensor.name, layer_names)
         if hf_name is not None:
             tensors[hf_name] = tensor

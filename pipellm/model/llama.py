@@ -236,7 +236,13 @@ class LlamaStage(nn.Module):
         gather_index = qkv_gather_index(config, tp) if comm is not None else None
         with torch.device("meta"):
             needs_embedding = is_first or (is_last and config.tie_word_embeddings)
-            self.embed_tokens = nn.Embedding(vocab, hidden) if needs_embedding else None
+            # An explicit (meta) weight skips nn.Embedding's normal_ init, whose meta kernel
+            # imports torch's Python decompositions: 74 MB resident for nothing.
+            self.embed_tokens = (
+                nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+                if needs_embedding
+                else None
+            )
             self.layers = nn.ModuleList(
                 DecoderLayer(config, tp, comm, gather_index, layer)
                 for layer in range(layer_start, layer_end)
@@ -340,7 +346,8 @@ class LlamaStage(nn.Module):
         if self.is_last and self.lm_head is None:
             hidden, vocab = self.config.hidden_size, self.tp.vocab_size
             self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
-            self.lm_head.weight = self.embed_tokens.weight
+            if "lm_head" not in (quantized or {}):  # else it takes the embedding's GGUF bytes
+                self.lm_head.weight = self.embed_tokens.weight
         if prepack:
             prepack_linears(self, quantized or {}, int8_activations=int8_activations)
             if why_not_fused(self) is None:

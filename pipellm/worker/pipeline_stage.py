@@ -35,7 +35,10 @@ class PipelineStage:
         rank: int,
         rendezvous: Rendezvous,
         listener: socket.socket | None = None,
+        check_host: str | None = None,
     ) -> None:
+        """check_host: this host's name, for the stage to check its memory before loading
+        (StageWorker); None where the executor checked the whole host already."""
         torch.set_num_threads(config.threads_per_stage)
         self.rank, self.num_stages = rank, config.pipeline_parallel_size
         self.tp_size = config.tensor_parallel_size
@@ -45,7 +48,7 @@ class PipelineStage:
         world_size = self.num_stages * self.tp_size
         self._group = join_pipeline_group(rendezvous, rank, world_size, listener)
         self.comm = make_tensor_parallel_comm(self.num_stages, self.tp_size, self.stage)
-        self.worker = StageWorker(config, self.stage, tp_rank, self.comm)
+        self.worker = StageWorker(config, self.stage, tp_rank, self.comm, check_host)
         self.hidden_size = config.model_config.hidden_size
         self.dtype = config.torch_dtype
         self.pending_sends: deque[tuple[list[dist.Work], list[torch.Tensor]]] = deque()

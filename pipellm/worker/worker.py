@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 
 import torch
@@ -21,7 +22,17 @@ from pipellm.sampling_params import SamplingParams
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from pipellm.worker.input_builder import InputBuilder
 from pipellm.worker.prompt_logprobs import prompt_logprobs
+from pipellm.worker.stage_memory import (
+    LoadedStage,
+    check_host_fits,
+    host_limit,
+    loaded_weight_bytes,
+    plan_stage_memory,
+    resident_bytes,
+)
 from pipellm.worker.structured_output import GrammarMasks
+
+logger = logging.getLogger(__name__)
 
 # glibc mallopt parameters, and the values that keep freed activations in the heap.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -45,6 +56,17 @@ def keep_freed_memory() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
 
 
+def release_freed_memory() -> None:
+    """Returns the heap's free memory to the OS once: loading frees more than a step ever
+    needs (the quantized weights' raw bytes after packing, dequantized copies), and with
+    keep_freed_memory's thresholds glibc would keep all of it (156 MB for half of SmolLM2)."""
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 class StageWorker:
     """One stage, or with tensor parallelism one rank of it: `comm` joins the stage's ranks,
     each of which holds and loads only its share of the weights and KV heads."""
@@ -55,9 +77,18 @@ class StageWorker:
         stage_index: int,
         tp_rank: int = 0,
         comm: TensorParallelComm | None = None,
+        check_host: str | None = None,
     ) -> None:
+        """check_host: the host's name, to check before loading that the stage fits in the
+        memory this process's host allows (executors that check a whole host pass None)."""
         keep_freed_memory()
         cpu_kernels_available()  # build or load them now, not in the first step
+        name = f"pipeline stage {stage_index}"
+        if config.tensor_parallel_size > 1:
+            name += f" (tensor-parallel rank {tp_rank})"
+        planned = plan_stage_memory(config, stage_index, tp_rank)  # its runtime: measured now
+        if check_host is not None:  # before loading: a clear error, not the OOM killer
+            check_host_fits(check_host, {name: planned}, host_limit())
         self.config = config
         self.stage = stage = config.stage(stage_index)
         self.is_first, self.is_last = stage.is_first, stage.is_last
@@ -73,7 +104,8 @@ class StageWorker:
             checkpoint = dict(iter_quantized_weights(config.source, mc, stage, shard_of))
             quantized = self.model.quantized_linears(checkpoint)
         # The token embedding is looked up on its stored rows where the kernels take its type.
-        embedding = checkpoint.get("model.embed_tokens.weight")
+        embedding = checkpoint.pop("model.embed_tokens.weight", None)
+        del checkpoint  # the stage keeps its weights in its modules, not this dict
         if config.load_format == "dummy":
             self.model.init_dummy_weights(config.seed)
         else:
@@ -105,6 +137,9 @@ class StageWorker:
             )
             for _ in range(stage.num_layers)
         ]
+        release_freed_memory()
+        self.memory = LoadedStage(name, planned, loaded_weight_bytes(self.model), resident_bytes())
+        logger.info("%s", self.memory.describe())
         self.input_builder = InputBuilder(config.block_size)
         self.token_counts = OutputTokenCounts(mc.vocab_size) if self.is_last else None
         self.grammar_masks = GrammarMasks(self._tokenizer, mc.vocab_size, mc.eos_token_ids)
