@@ -31,7 +31,7 @@ from pipellm.executor.ray_executor import RayExecutor
 from pipellm.testing.server_process import ServerProcess
 from pipellm.worker.stage_memory import (
     HostMemoryError,
-    host_limit,
+    cgroup_v1_in_use,
     plan_stage_memory,
     resident_bytes,
 )
@@ -109,10 +109,12 @@ def limit_memory(cgroups: list[str]) -> dict:
     need_half = max(plan_stage_memory(half, stage).to_load for stage in (0, 1))
     need_whole = plan_stage_memory(whole, 0).to_load
     runtime = resident_bytes()  # a stage process's runtime is about this driver's
-    limit = host_limit().in_use + runtime + (need_half + need_whole) // 2
-    for group in cgroups:
+    limits = []
+    for group in cgroups:  # each host from what its own processes hold
+        limit = cgroup_v1_in_use(Path(group)) + runtime + (need_half + need_whole) // 2
         Path(group, "memory.limit_in_bytes").write_text(str(limit))
-    return {"limit": limit, "half": need_half, "whole": need_whole}
+        limits.append(limit)
+    return {"limits": limits, "half": need_half, "whole": need_whole}
 
 
 def main(
@@ -135,6 +137,8 @@ def main(
         report["frozen"] = frozen_host(llm.engine.executor, second_host_namespace)
     finally:
         llm.shutdown()
+    # Set again from what the first host holds now (the two-stage pipeline's processes gone).
+    report["memory_limit"] = limit_memory(memory_cgroups)
     try:
         LLM(distributed_executor_backend="ray").shutdown()  # the whole model on the first host
         report["whole_model"] = {"error": None}

@@ -256,7 +256,9 @@ def _cgroup_limit() -> HostLimit | None:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
-            return _tightest(_CGROUP_ROOT / "memory", path, "memory.limit_in_bytes", _v1_in_use)
+            return _tightest(
+                _CGROUP_ROOT / "memory", path, "memory.limit_in_bytes", cgroup_v1_in_use
+            )
     for line in lines:
         if line.startswith("0::"):
             return _tightest(_CGROUP_ROOT, line[3:], "memory.max", _v2_in_use)
@@ -286,7 +288,8 @@ def _stat(group: Path, name: str) -> dict[str, int]:
     return values
 
 
-def _v1_in_use(group: Path) -> int:
+def cgroup_v1_in_use(group: Path) -> int:
+    """What a cgroup v1 memory group's processes hold: usage less inactive file cache."""
     usage = int((group / "memory.usage_in_bytes").read_text())
     return max(0, usage - _stat(group, "memory.stat").get("total_inactive_file", 0))
 
