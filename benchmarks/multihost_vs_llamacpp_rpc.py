@@ -11,7 +11,7 @@ n_layer + 1 - N), so N = layers / 2 + 1 puts half the layers and the output on t
 as pipellm's last stage holds them. Each bench client runs in the first host's network but
 on no host's core, as a client on a third machine would.
 
-    flock /tmp/pipellm-bench.lock python benchmarks/multihost_vs_llamacpp_rpc.py \\
+    python benchmarks/multihost_vs_llamacpp_rpc.py \\
         --llamacpp-build /path/to/llama.cpp/build
 """
 
