@@ -132,6 +132,24 @@ inline void for_each_row_block(int64_t m0, int64_t m1, F&& f) {
   }
 }
 
+// A GEMM on weights dequantized a slice at a time, at prefill sizes: x is taken in near-equal
+// passes of at most `rows_block` rows by `slice_depth` columns, a block that stays in L2 while a
+// thread's panels [first, last) go by, so each pass pays the dequantization once (256 rows at
+// 192: one pass of 256, not 192 + 64). panel_slice(p, k0, m0, m1) does panel p's slice at
+// depth k0 for rows [m0, m1).
+template <typename F>
+inline void for_each_slice_pass(int64_t m, int64_t depth, int64_t rows_block,
+                                int64_t slice_depth, int64_t first, int64_t last,
+                                F&& panel_slice) {
+  const int64_t passes = (m + rows_block - 1) / rows_block;
+  for (int64_t i = 0, m0 = 0; i < passes; ++i) {
+    const int64_t m1 = m0 + m / passes + (i < m % passes ? 1 : 0);
+    for (int64_t k0 = 0; k0 < depth; k0 += slice_depth)
+      for (int64_t p = first; p < last; ++p) panel_slice(p, k0, m0, m1);
+    m0 = m1;
+  }
+}
+
 using RowBlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*,
                             int64_t, bool, const float*, const float*);
 // kRowBlock[r]: the register block for r rows, 1 <= r <= kRows.

@@ -31,6 +31,7 @@ namespace pipellm_gguf {
 namespace {
 
 using pipellm_kernels::for_each_row_block;
+using pipellm_kernels::for_each_slice_pass;
 using pipellm_kernels::kPanel;
 using pipellm_kernels::kRowBlock;
 using pipellm_kernels::PanelOutput;
@@ -132,13 +133,7 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
                          y.bias(p), nullptr);
       });
     };
-    const int64_t passes = (m + kRowsBlock - 1) / kRowsBlock;
-    for (int64_t i = 0, m0 = 0; i < passes; ++i) {
-      const int64_t m1 = m0 + m / passes + (i < m % passes ? 1 : 0);
-      for (int64_t k0 = 0; k0 < depth; k0 += kSliceDepth)
-        for (int64_t p = first; p < last; ++p) panel_slice(p, k0, m0, m1);
-      m0 = m1;
-    }
+    for_each_slice_pass(m, depth, kRowsBlock, kSliceDepth, first, last, panel_slice);
   });
   return y.finish();
 }

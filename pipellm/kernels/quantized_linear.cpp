@@ -38,6 +38,7 @@ namespace {
 using pipellm_kernels::kPanel;
 using pipellm_kernels::kRowBlock;
 using pipellm_kernels::for_each_row_block;
+using pipellm_kernels::for_each_slice_pass;
 using pipellm_kernels::PanelOutput;
 
 constexpr int64_t kBlock = 32;          // GGUF block: input rows sharing one scale
@@ -341,16 +342,8 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
         for (int64_t k0 = 0; k0 < depth; k0 += kSliceDepth) panel_slice(p, k0, 0, m);
       return;
     }
-    // Prefill sizes: x is taken in near-equal passes of at most kRowsBlock rows by kSliceDepth
-    // columns, a block that stays in L2 while this thread's panels go by; each pass pays the
-    // dequantization once (256 rows: one pass of 256, not 192 + 64).
-    const int64_t passes = (m + kRowsBlock - 1) / kRowsBlock;
-    for (int64_t i = 0, m0 = 0; i < passes; ++i) {
-      const int64_t m1 = m0 + m / passes + (i < m % passes ? 1 : 0);
-      for (int64_t k0 = 0; k0 < depth; k0 += kSliceDepth)
-        for (int64_t p = first; p < last; ++p) panel_slice(p, k0, m0, m1);
-      m0 = m1;
-    }
+    // Prefill sizes: passes of x over this thread's panels (for_each_slice_pass).
+    for_each_slice_pass(m, depth, kRowsBlock, kSliceDepth, first, last, panel_slice);
   });
   return y.finish();
 }
