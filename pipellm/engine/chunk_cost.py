@@ -8,7 +8,7 @@ linear layers:
     cost(p, c) = c * (1 + r * (p + (c + 1) / 2)),    r = attention_slowdown * 4 q_dim / (2 P_layer)
 
 `attention_slowdown` is how much slower than the GEMMs the attention kernels run per FLOP on
-the hardware: fitted by `benchmarks/chunk_cost.py` (docs/pipeline.md has the fit and its
+the hardware: fitted by `benchmarks/prompt_chunk_times.py` (docs/pipeline.md has the fit and its
 residuals), 1.0 for the sim backend, whose modelled stages run every FLOP at one rate. A
 fixed per-step overhead is left out: it is the same for every micro-batch, so it does not
 change which chunk sizes cost the same.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pipellm.model.model_config import ModelConfig
 
 # Fitted on a 2-core AVX-512 Xeon, SmolLM2-135M with its GGUF weights, one thread, by
-# benchmarks/chunk_cost.py (docs/benchmarks.md): per FLOP the attention
+# benchmarks/prompt_chunk_times.py (docs/benchmarks.md): per FLOP the attention
 # kernels ran a little faster than the quantized GEMMs (slowdown 0.73; fit residuals up to 18%).
 CPU_ATTENTION_SLOWDOWN = 0.73
 

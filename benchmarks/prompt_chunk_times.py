@@ -10,7 +10,7 @@ prefix, best of --repeats; then a least-squares fit of
 and attention_slowdown = (b / a) / (4 q_dim / (2 P_layer)). Prints the table, the fit, its
 residuals and what cost-balanced chunks of a 128-token budget look like along a long prompt.
 
-  .venv/bin/python benchmarks/chunk_cost.py \
+  .venv/bin/python benchmarks/prompt_chunk_times.py \
       [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256]
 """
 
