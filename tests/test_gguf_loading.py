@@ -57,7 +57,7 @@ def test_mixed_types_load_as_stored_and_compute_as_float32(tmp_path, tied):
     quantized = StageWorker(EngineConfig(model=str(path)), 0).model
     reference = StageWorker(EngineConfig(model=str(path), quantization="none"), 0).model
     assert isinstance(quantized.embed_tokens, GgufEmbedding)
-    assert quantized.embed_tokens.table.kind == T.Q6_K
+    assert quantized.embed_tokens.kind == T.Q6_K
     kinds = {name: layer.kind for name, layer in linears(quantized).items()}
     assert kinds["layers.0.self_attn.qkv_proj"] == "Q5_0+Q4_K+Q6_K"
     assert kinds["layers.0.mlp.gate_up_proj"] == "Q4_K+Q5_K"

@@ -239,8 +239,11 @@ class GgufEmbedding(nn.Module):
         self, weight: QuantizedWeight, meta_weight: nn.Parameter, level: str | None = None
     ):
         super().__init__()
-        self.table: QuantizedWeight | None = weight
         self.kind, self.rows, self.hidden = weight.kind, weight.out_features, weight.in_features
+        # The stored rows (uint8 blocks), a buffer so a walk over the module's tensors counts
+        # them; not persistent: they come from the GGUF file, never a state dict.
+        self.table: torch.Tensor | None
+        self.register_buffer("table", weight.blocks, persistent=False)
         self.weight = meta_weight
         self.embedding_op = ops(level).gguf_embedding
         self.head: QuantizedLinear | None = None
@@ -260,7 +263,7 @@ class GgufEmbedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
-            return self.embedding_op(token_ids, self.table.blocks, int(self.kind), self.hidden)
+            return self.embedding_op(token_ids, self.table, int(self.kind), self.hidden)
         return self._rows_from_head(token_ids)
 
     def _rows_from_head(self, token_ids: torch.Tensor) -> torch.Tensor:

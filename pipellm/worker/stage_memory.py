@@ -21,7 +21,7 @@ from torch import nn
 
 from pipellm.config import EngineConfig
 from pipellm.loader.weights import gguf_tensor_index, stage_weight_names
-from pipellm.model.gguf_linear import GGUF_KERNEL_TYPES, QuantizedWeight
+from pipellm.model.gguf_linear import GGUF_KERNEL_TYPES
 from pipellm.model.llama import LlamaStage
 from pipellm.model.rope import RotaryEmbedding
 from pipellm.model.stage_spec import StageSpec
@@ -167,17 +167,13 @@ def workspace_bytes(config: EngineConfig) -> int:
 
 def loaded_weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as loaded: its parameters and the tensors its layers keep
-    (packed and quantized weights, biases), each storage once; not the RoPE tables."""
+    (packed and quantized weights, biases), buffers (a GGUF embedding's stored rows), each
+    storage once; not the RoPE tables."""
     storages: dict[int, int] = {}
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             continue
-        tensors = [*module._parameters.values(), *vars(module).values()]
-        # A GGUF embedding keeps its stored rows (when no tied head shares them) in a
-        # QuantizedWeight, not a tensor attribute.
-        table = getattr(module, "table", None)
-        if isinstance(table, QuantizedWeight):
-            tensors.append(table.blocks)
+        tensors = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 storage = tensor.untyped_storage()
