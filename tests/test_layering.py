@@ -12,8 +12,9 @@ ROOT = Path(pipellm.__file__).parent
 BENCHMARKS = ROOT.parent / "benchmarks"  # outside the package; absent from an installed wheel
 
 # Bottom first. A unit is a subpackage of pipellm, a top-level module, pipellm's __init__, or a
-# module named here on its own ("sim.profiler": it drives real stages and the engine loop to time
-# them, while the rest of sim/ sits beneath config so config can check a profile).
+# module or subpackage named here on its own ("sim.profiler" and "sim.simulate": they drive real
+# stages or the engine loop, while the rest of sim/ sits beneath config so config can check a
+# profile).
 LAYERS = [
     "structured_outputs",  # a structured-output constraint, as a user states it
     "sampling_params",  # what a user asks for
@@ -32,6 +33,7 @@ LAYERS = [
     "llm",  # the offline API
     "pipellm",  # the package's public names
     "bench",  # `pipellm bench serve`: the HTTP load generator and its report
+    "sim.simulate",  # `pipellm simulate`: bench serve's workload through the engine loop, modelled
     "testing",  # harnesses that start a real server (tests, the demo)
     "entrypoints",  # CLI and servers
     "benchmarks",  # top-level benchmarks/ (python benchmarks/NAME.py): leaves, they drive all
