@@ -4,7 +4,7 @@
 // Why: at one sequence a layer's Python forward takes well over its kernels' time; the
 // difference is glue (module calls, the kernel wrappers' checks, view/split, one torch.ops
 // dispatch from Python per kernel), about a third of a one-sequence decode step
-// (docs/benchmarks.md, "The fused decode path"). Here the glue is C++: each layer calls the SAME kernels, in the
+// (docs/performance.md, "The fused decode path"). Here the glue is C++: each layer calls the SAME kernels, in the
 // SAME order and on the same inputs as LlamaStage's Python path (model/llama.py), through the
 // dispatcher with typed handles looked up once, so the hidden states are bit-identical; the
 // Python path stays the reference and the fallback (prefills, mixed batches, models the

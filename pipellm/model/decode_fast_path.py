@@ -2,7 +2,7 @@
 
 At one sequence a decode step's layers spend ~40% of their time in Python glue (module calls,
 the kernel wrappers' checks, views, a torch.ops dispatch per kernel) rather than in their
-kernels (docs/benchmarks.md, "The fused decode path").
+kernels (docs/performance.md, "The fused decode path").
 DecodeLayers (pipellm/kernels/decode_layers.cpp) runs the same kernels in the same order with
 the glue in C++, so its hidden states are bit-identical to the Python path's, which stays the
 reference and serves everything else: prefills and mixed batches, and any layer the kernels do

@@ -5,7 +5,7 @@ reported it (ModelOutput.stage_times; a stage starts when its inputs are here), 
 result reached the engine. With mp every stage is a process on the same host, so all of these
 are one clock (time.time()).
 
-Rule (docs/simulation.md, "Measured hand-over"): a gap counts only the time nothing but the
+Rule (docs/simulation.md, "Measured profiles"): a gap counts only the time nothing but the
 hand-over held the micro-batch, so a stage still busy with the micro-batch before it is not
 counted (the simulator adds that queueing itself: a step starts at max(arrival, stage free)):
 
