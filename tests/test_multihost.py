@@ -22,12 +22,14 @@ ROOMY = 16 << 30
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no two-host cluster here: {REASON}")
-def test_two_hosts_serve_give_the_mp_tokens_and_a_dead_host_is_a_clear_error(tmp_path, reaped):
+def test_two_hosts_serve_give_one_process_tokens_and_a_dead_host_is_a_clear_error(tmp_path, reaped):
     """One cluster start for all of it (the suite's time): `pipellm serve` across the hosts
     and its orderly stop, then offline runs: the greedy tokens with each host's memory below
     the whole model's need, the whole model refused on one host, a host frozen while idle, a
     host's death mid-run."""
-    with LLM(pipeline_parallel_size=2) as llm:  # the mp backend, on this host
+    # The reference: one process on this host (stages give its greedy tokens: test_smollm2),
+    # which spawns no stage processes for the suite's time.
+    with LLM() as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
     expected = [o.outputs[0].token_ids for o in outputs]
     # Each host's processes in a memory cgroup: roomy for `pipellm serve`, then lowered by the

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import openai
 import psutil
@@ -41,9 +40,11 @@ def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def greedy(model: str | Path, max_tokens: int) -> str:
-    with LLM(str(model), kv_cache_memory=16 * 2**20) as llm:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+@pytest.fixture(scope="module")
+def offline_text(checkpoint) -> str:
+    """The offline greedy text of PROMPT, 16 tokens: computed once for every case."""
+    with LLM(str(checkpoint), kv_cache_memory=16 * 2**20) as llm:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
 
 
@@ -55,14 +56,15 @@ def complete(server: ServerProcess, **kwargs) -> openai.types.Completion:
 
 
 @pytest.mark.parametrize("victim", ["engine core", "stage 1"])
-def test_two_stages_serve_then_exit_1_when_the_engine_dies(checkpoint, tmp_path, victim):
+def test_two_stages_serve_then_exit_1_when_the_engine_dies(
+    checkpoint, offline_text, tmp_path, victim
+):
     """In-flight requests get an error, the core is reaped (no zombie), and the server exits
     with code 1 within seconds, for a supervisor to restart it (docs/reliability.md)."""
-    expected = greedy(checkpoint, 16)
     server = ServerProcess([str(checkpoint), "-pp", "2", *SMALL_KV_CACHE], tmp_path / "log")
     with server:
         out = complete(server, max_tokens=16, extra_body={"ignore_eos": True})
-        assert out.choices[0].text == expected
+        assert out.choices[0].text == offline_text
         stages = psutil.Process(server.core_pid).children()
         assert len(stages) == 2
 

@@ -31,12 +31,14 @@ def test_answers_the_capital_of_france(single_stage):
 
 
 def test_two_and_three_stages_give_the_same_tokens(single_stage, reaped):
-    """Balanced with the chunked pipeline (a 150-odd-token prompt cut into chunks of 37, none
-    a multiple of the 16-token block, several in flight at once), and the unbalanced pipeline
-    (--no-pp-balance: the whole batch in one micro-batch, vLLM issue #27462) without it."""
+    """Three stages balanced with the chunked pipeline (a 150-odd-token prompt cut into chunks
+    of 37, none a multiple of the 16-token block, several in flight at once), and two stages
+    unbalanced (--no-pp-balance: the whole batch in one micro-batch, vLLM issue #27462) without
+    it. Two balanced stages would add no stage role three lack (first, last), so they are not
+    run again (test_chunked_pipeline covers both sizes on a tiny model)."""
     prompts = PROMPTS + [" ".join(f"item {i} of the list;" for i in range(30))]
     expected = [o.outputs[0].token_ids for o in single_stage.generate(prompts, GREEDY)]
-    for stages, balance, chunked in ((2, True, True), (3, True, True), (2, False, False)):
+    for stages, balance, chunked in ((3, True, True), (2, False, False)):
         with LLM(
             pipeline_parallel_size=stages,
             pp_balance=balance,
