@@ -12,7 +12,7 @@
 // block reads them; for more rows, once into an L1-sized float32 slice that every block
 // reads. A panel holding a 16-bit float row takes its values from to_float, transposed.
 // Against dequantizing each row to float32 and transposing floats, this moves 4x fewer bytes
-// per weight before the multiply (measured: about 1.3-2x faster per GEMM at one row).
+// per weight before the multiply.
 //
 // Int8-activation path (gguf_linear_int8): x is rounded to int8 per 32 values (scale
 // max|x| / 127, nearest), as llama.cpp's dot products round their activations; each weight
