@@ -121,6 +121,24 @@ def test_parts_of_different_types_stay_in_their_types(kernel_level, kernel_ops, 
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 64])
+@pytest.mark.parametrize("kinds", [(T.Q5_0,), (T.Q5_0, T.Q8_0, T.Q5_0)], ids=["Q5_0", "Q5_0+Q8_0"])
+def test_q5_0_is_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kinds):
+    # Q5_0 alone keeps its 5.5 bits in the repacked layout; a q/k/v of Q5_0 and Q8_0 parts is
+    # widened to Q8_0 (the same products), so both take the repacked kernel.
+    parts = [weight_of(kind, 24, DEPTH, seed=i) for i, kind in enumerate(kinds)]
+    dequantized = torch.cat([d for _, d in parts])
+    weight = stack_rows([w for w, _ in parts])
+    layer = QuantizedLinear(weight, None, level=kernel_level)
+    assert layer.repacked and layer.kernel_kind == (2 if len(kinds) == 1 else 1)
+    if len(kinds) == 1:  # as many bytes as the file's blocks, but for panel padding
+        assert layer.packed_weight.numel() == -(-24 // 16) * 16 * weight.blocks.shape[1]
+    x = torch.randn(rows, DEPTH, generator=torch.Generator().manual_seed(rows))
+    packed = kernel_ops.pack_linear_weight(dequantized)
+    expected = kernel_ops.packed_linear(x, packed, None, dequantized.shape[0])
+    assert torch.equal(layer(x), expected)
+
+
 def test_float16_types_keep_the_exact_path_under_int8(kernel_level):
     weight, dequantized = weight_of(T.F16, 16, 64, seed=0)
     layer = QuantizedLinear(weight, None, level=kernel_level, int8_activations=True)

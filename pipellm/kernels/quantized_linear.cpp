@@ -1,4 +1,4 @@
-// y = x W^T + b in float32, with W kept in a GGUF quantized format (Q4_1 or Q8_0) and
+// y = x W^T + b in float32, with W kept in a GGUF quantized format (Q4_1, Q8_0 or Q5_0) and
 // dequantized on the fly for the same 6 x 16 register block as packed_linear: at 1-4 rows of x
 // in registers, depth by depth; at more rows slice by slice into an L1-sized float32 buffer
 // that every row block of x then uses.
@@ -17,7 +17,10 @@
 //         F16C's vcvtph2ps, and a sixth fewer bytes to stream than float32 copies), then
 //         32 x 8 bytes: at depth k, byte j holds
 //         column j's q in its low nibble and column j + 8's in its high nibble;
-//   Q8_0: 16 float16 scales d, then 32 x 16 int8 q, column j at byte j.
+//   Q8_0: 16 float16 scales d, then 32 x 16 int8 q, column j at byte j;
+//   Q5_0: 16 float16 scales d, then 32 x 8 bytes of low nibbles as Q4_1's, then 32 x 2 bytes:
+//         at depth k, bit j of the 16-bit word is column j's fifth bit; w = d (q - 16), which
+//         like Q8_0's d q is one exact product (the same size in memory as the file's blocks).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -48,7 +51,7 @@ constexpr int64_t kRowsBlock = 384;     // above 64 rows: rows of x per pass (38
 #else
 constexpr int64_t kRowsBlock = 192;     // above 64 rows: rows of x per pass (192 KB in L2)
 #endif
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;  // the `kind` argument
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2;  // the `kind` argument
 constexpr int64_t kPrefetchBytes = 4096;  // ~10 Q4_1 records ahead
 // Up to this many rows, the weights are dequantized in registers (fused_row_block): measured
 // at 1, 3 and 4 rows 9.2, 11.8 and 13.3 ms per step's GEMMs against 13-14 ms through a slice;
@@ -169,8 +172,55 @@ struct Q8_0Record {
 #endif
 };
 
+struct Q5_0Record {
+  static constexpr int64_t kBytes = kPanel * 2 + kBlock * kPanel / 2 + kBlock * 2;
+  __m256 d0, d1;
+  const uint8_t* q;
+  const uint8_t* high;
+  explicit Q5_0Record(const uint8_t* record) {
+    d0 = half_to_float(record), d1 = half_to_float(record + 16);
+#if defined(__AVX512F__)
+    d = half16_to_float(record);
+#endif
+    q = record + kPanel * 2;
+    high = q + kBlock * kPanel / 2;
+  }
+  // Columns 0-15 at depth k as int8 q - 16.
+  __m128i values(int64_t k) const {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8));
+    const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
+                                               _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    uint16_t bits;
+    __builtin_memcpy(&bits, high + 2 * k, 2);
+    // byte j <- bit j of bits: spread the word's two bytes over 8 lanes each, keep one bit
+    const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi16(static_cast<int16_t>(bits)),
+                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
+                                                          1, 1, 1, 1));
+    const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m128i fifth =
+        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(0x10));
+    return _mm_sub_epi8(_mm_or_si128(nibbles, fifth), _mm_set1_epi8(16));
+  }
+  void at(int64_t k, __m256& w0, __m256& w1) const {
+    const __m128i v = values(k);
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), d1);
+  }
+#if defined(__AVX512F__)
+  void at(int64_t k, __m512& w) const {
+    w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values(k))), d);
+  }
+  __m512 d;
+  void at(int64_t k, Columns& w) const { at(k, w.v); }
+#else
+  void at(int64_t k, Columns& w) const { at(k, w.lo, w.hi); }
+#endif
+};
+
 constexpr int64_t record_bytes(int64_t kind) {
-  return kind == kQ4_1 ? Q4_1Record::kBytes : Q8_0Record::kBytes;
+  return kind == kQ4_1 ? Q4_1Record::kBytes
+                       : kind == kQ8_0 ? Q8_0Record::kBytes : Q5_0Record::kBytes;
 }
 
 // Dequantizes blocks [b0, b1) of one panel into out[(b - b0) * 32 + k][16].
@@ -292,7 +342,8 @@ constexpr FusedPanelsFn kFusedPanels[2][kPanelsAtOnce] = {
 
 at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
                             const std::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantized_linear: kind 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0 || kind == kQ5_0,
+              "quantized_linear: kind 0 (Q4_1), 1 (Q8_0) or 2 (Q5_0)");
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
@@ -306,9 +357,12 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = packed.size(1) * record_bytes(kind);
-  const auto dequantize_slice = kind == kQ4_1 ? dequantize<Q4_1Record> : dequantize<Q8_0Record>;
-  const FusedRowBlockFn* fused =
-      kind == kQ4_1 ? kFusedRowBlock<Q4_1Record>.data() : kFusedRowBlock<Q8_0Record>.data();
+  const auto dequantize_slice = kind == kQ4_1   ? dequantize<Q4_1Record>
+                                : kind == kQ8_0 ? dequantize<Q8_0Record>
+                                                : dequantize<Q5_0Record>;
+  const FusedRowBlockFn* fused = kind == kQ4_1   ? kFusedRowBlock<Q4_1Record>.data()
+                                 : kind == kQ8_0 ? kFusedRowBlock<Q8_0Record>.data()
+                                                 : kFusedRowBlock<Q5_0Record>.data();
   const uint8_t* end = wp + panels * panel_bytes;
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     alignas(64) float slice[kSliceDepth * kPanel];
@@ -324,7 +378,9 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
       });
     };
     if (m <= 2) {  // one or two rows: several panels' dependent FMA chains side by side
-      const auto& by_panels = kind == kQ4_1 ? kFusedPanels<Q4_1Record> : kFusedPanels<Q8_0Record>;
+      const auto& by_panels = kind == kQ4_1   ? kFusedPanels<Q4_1Record>
+                              : kind == kQ8_0 ? kFusedPanels<Q8_0Record>
+                                              : kFusedPanels<Q5_0Record>;
       for (int64_t p = first; p < last; p += kPanelsAtOnce) {
         const int64_t np = std::min<int64_t>(kPanelsAtOnce, last - p);
         by_panels[m - 1][np - 1](xp, depth, wp, panel_bytes, p, depth / kBlock, y, end);

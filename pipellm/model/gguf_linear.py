@@ -25,9 +25,12 @@ from pipellm.kernels.cpu_kernels import ops
 
 PANEL = 16  # output columns per panel, as in the kernel
 BLOCK = 32  # input rows per GGUF block
-# GGUF type -> the repacking kernel's `kind` argument (quantized_linear.cpp, int8_linear.cpp).
-KERNEL_KINDS = {GGMLQuantizationType.Q4_1: 0, GGMLQuantizationType.Q8_0: 1}
 _T = GGMLQuantizationType
+# GGUF type -> the repacking kernels' `kind` argument (quantized_linear.cpp, int8_linear.cpp).
+KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
+# The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
+# mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
+EXACT_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2}
 # Every type the GGUF kernels take as stored (gguf_type_table.cpp; a test checks the two agree).
 GGUF_KERNEL_TYPES = frozenset(
     {
@@ -115,11 +118,43 @@ def _float16(pairs: torch.Tensor) -> torch.Tensor:
     return pairs.contiguous().view(torch.float16).squeeze(-1)
 
 
+def _q5_0_quants(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [rows, blocks, 22] -> their unsigned 5-bit q [rows, blocks, 32] (uint8):
+    value j's low nibble in byte 6 + j % 16 (high nibble from j = 16 on), its fifth bit as
+    bit j of the 32-bit word at byte 2 (w = d (q - 16))."""
+    packed = blocks[..., 6:22]
+    low = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    word = blocks[..., 2:6].contiguous().view(torch.int32)  # [rows, blocks, 1]
+    fifth = (word >> torch.arange(32, dtype=torch.int32)) & 1
+    return low | (fifth.to(torch.uint8) << 4)
+
+
+def widen_q5_0_to_q8_0(weight: QuantizedWeight) -> QuantizedWeight:
+    """The same weights as Q8_0 blocks (d and q - 16 as int8): bit-identical once dequantized
+    (both are one exact product d q), so a Q5_0 part can join a Q8_0 one in one kernel."""
+    rows = weight.blocks.shape[0]
+    blocks = weight.blocks.view(rows, weight.in_features // BLOCK, -1)
+    q = (_q5_0_quants(blocks).to(torch.int16) - 16).to(torch.int8).view(torch.uint8)
+    return QuantizedWeight(_T.Q8_0, torch.cat([blocks[..., 0:2], q], dim=-1).reshape(rows, -1))
+
+
+def exact_repacked_weight(weight: GgufWeight) -> QuantizedWeight | None:
+    """The weight as one type the exact repacked kernel takes, or None: a fused q/k/v whose
+    parts are Q5_0 and Q8_0 (llama.cpp's Q4_K_M gives v a wider type) becomes Q8_0."""
+    if isinstance(weight, QuantizedWeight):
+        return weight if weight.kind in EXACT_KERNEL_KINDS else None
+    kinds = {part.kind for part in weight.parts}
+    if kinds <= {_T.Q5_0, _T.Q8_0}:
+        widened = [widen_q5_0_to_q8_0(p) if p.kind == _T.Q5_0 else p for p in weight.parts]
+        return QuantizedWeight(_T.Q8_0, torch.cat([part.blocks for part in widened]))
+    return None
+
+
 def _by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(scales, mins or None, quants) of the weight by panel of 16 output columns and 32-row
     block: float16 [panels, blocks, 16] twice, then [panels, blocks, 32 (depth), 16 (column)]
-    (uint8 0..15 for Q4_1, int8 for Q8_0). Padded columns get zero scales and mins: they come
-    out 0."""
+    (uint8 0..15 for Q4_1, 0..31 for Q5_0, int8 for Q8_0). Padded columns get zero scales and
+    mins: they come out 0."""
     rows = weight.blocks.shape[0]
     num_blocks = weight.in_features // BLOCK
     blocks = weight.blocks.view(rows, num_blocks, -1)
@@ -138,6 +173,8 @@ def _by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | No
         packed_q = blocks[..., 4:20]  # value i in the low nibble of byte i, i + 16 in the high
         q = torch.cat([packed_q & 0x0F, packed_q >> 4], dim=-1)  # [rows, blocks, 32]
         return scales, mins, by_panel(q)
+    if weight.kind == GGMLQuantizationType.Q5_0:
+        return scales, None, by_panel(_q5_0_quants(blocks))
     return scales, None, by_panel(blocks[..., 2:34].contiguous().view(torch.int8))
 
 
@@ -158,6 +195,12 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
     if mins is not None:
         pairs = q[..., :8] | (q[..., 8:] << 4)  # byte j: column j low, column j + 8 high
         return _records(scales, mins, pairs)
+    if weight.kind == GGMLQuantizationType.Q5_0:  # Q4_1's nibble pairs, then fifth bits
+        low = q & 0x0F
+        pairs = low[..., :8] | (low[..., 8:] << 4)
+        fifth = (q >> 4).to(torch.int32) << torch.arange(PANEL, dtype=torch.int32)
+        words = fifth.sum(dim=-1, keepdim=True).to(torch.int16)  # bit j: column j
+        return _records(scales, pairs, words)
     return _records(scales, q)
 
 
@@ -198,10 +241,15 @@ class QuantizedLinear(nn.Module):
         self.kind = weight.kind
         self.int8_activations = int8_activations and has_int8_path(weight)
         kernels = ops(level)
-        # Q4_1 and Q8_0 alone take their repacked kernels; everything else the stored blocks.
-        self.repacked = isinstance(weight, QuantizedWeight) and weight.kind in KERNEL_KINDS
-        if self.repacked:
-            self.kernel_kind = KERNEL_KINDS[weight.kind]
+        # Q4_1 and Q8_0 (and Q5_0 on the exact path) take their repacked kernels; everything
+        # else the stored blocks.
+        repacked = None if self.int8_activations else exact_repacked_weight(weight)
+        if self.int8_activations and isinstance(weight, QuantizedWeight):
+            repacked = weight if weight.kind in KERNEL_KINDS else None
+        self.repacked = repacked is not None
+        if repacked is not None:
+            weight = repacked
+            self.kernel_kind = EXACT_KERNEL_KINDS[weight.kind]
             if self.int8_activations:
                 self.packed_weight = pack_int8_weight(weight)
                 self.linear_op = kernels.quantized_linear_int8
