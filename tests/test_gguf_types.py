@@ -139,6 +139,18 @@ def test_q5_0_is_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kind
     assert torch.equal(layer(x), expected)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 64])
+def test_q6_k_is_repacked_and_bit_identical(kernel_level, kernel_ops, rows):
+    # 40 rows: two whole panels and a ragged one; 512 deep: two 256-value records.
+    weight, dequantized = weight_of(T.Q6_K, 40, DEPTH, seed=rows)
+    layer = QuantizedLinear(weight, None, level=kernel_level)
+    assert layer.repacked and layer.kernel_kind == 3
+    assert layer.packed_weight.numel() == 48 * weight.blocks.shape[1]  # the file's bytes
+    x = torch.randn(rows, DEPTH, generator=torch.Generator().manual_seed(rows))
+    expected = kernel_ops.packed_linear(x, kernel_ops.pack_linear_weight(dequantized), None, 40)
+    assert torch.equal(layer(x), expected)
+
+
 def test_float16_types_keep_the_exact_path_under_int8(kernel_level):
     weight, dequantized = weight_of(T.F16, 16, 64, seed=0)
     layer = QuantizedLinear(weight, None, level=kernel_level, int8_activations=True)

@@ -30,7 +30,8 @@ _T = GGMLQuantizationType
 KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
 # The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
 # mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
-EXACT_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2}
+# So does Q6_K (llama.cpp's Q6_K files and the down projections of its Q4_K_M mixes).
+EXACT_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q6_K: 3}
 # Every type the GGUF kernels take as stored (gguf_type_table.cpp; a test checks the two agree).
 GGUF_KERNEL_TYPES = frozenset(
     {
@@ -187,10 +188,54 @@ def _records(*parts: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _panel_major(values: torch.Tensor) -> torch.Tensor:
+    """[rows, *rest] -> [panels, *rest, 16]: each panel's 16 rows last, zero-padded."""
+    rows = values.shape[0]
+    panels = -(-rows // PANEL)
+    values = torch.cat([values, values.new_zeros(panels * PANEL - rows, *values.shape[1:])])
+    return values.view(panels, PANEL, *values.shape[1:]).movedim(1, -1).contiguous()
+
+
+def _bit_words(bits: torch.Tensor) -> torch.Tensor:
+    """[..., 16] of 0/1 -> [..., 1] int16 words, bit j from element j."""
+    words = (bits.to(torch.int32) << torch.arange(PANEL, dtype=torch.int32)).sum(-1, True)
+    return words.to(torch.int16)
+
+
+def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q6_K for the exact kernel (quantized_linear.cpp's Q6_KRecord): [panels, blocks of 256,
+    record]; per record 16 float16 d, 16 x 16 int8 scales (sub-block, column), then per depth
+    8 bytes of nibble pairs and two 16-bit words of the high bits."""
+    rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
+    blocks = weight.blocks.view(rows, num_blocks, 210)
+    # Value 128 h + 32 g + j: nibble of ql byte 64 h + 32 (g % 2) + j (the high one for g >= 2),
+    # high bits (qh byte 32 h + j) >> 2 g (gguf/quants.py's Q6_K).
+    ql = blocks[..., :128].reshape(rows, num_blocks, 2, 2, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=3)
+    qh = blocks[..., 128:192].reshape(rows, num_blocks, 2, 1, 32)
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    q = _panel_major((low | (high << 4)).reshape(rows, num_blocks, 256))  # [P, B, 256, 16]
+    scales = _panel_major(blocks[..., 192:208].contiguous().view(torch.int8))  # [P, B, 16, 16]
+    d = _panel_major(_float16(blocks[..., 208:210]))  # [P, B, 16]
+    nibbles = q & 0x0F
+    pairs = nibbles[..., :8] | (nibbles[..., 8:] << 4)
+    per_depth = torch.cat(
+        [
+            pairs,
+            _bit_words((q >> 4) & 1).view(torch.uint8),
+            _bit_words((q >> 5) & 1).view(torch.uint8),
+        ],
+        dim=-1,
+    )
+    return _records(d, scales, per_depth)
+
+
 def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
     """The exact kernel's layout: [panels, in_features / 32, record] uint8, one record per
     panel of 16 output columns and 32-row block (see pipellm/kernels/quantized_linear.cpp).
     Scales (and mins) stay float16, as in the file: the kernel widens them exactly (F16C)."""
+    if weight.kind == GGMLQuantizationType.Q6_K:
+        return pack_q6_k_weight(weight)
     scales, mins, q = _by_panels(weight)
     if mins is not None:
         pairs = q[..., :8] | (q[..., 8:] << 4)  # byte j: column j low, column j + 8 high
