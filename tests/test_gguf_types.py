@@ -140,12 +140,15 @@ def test_q5_0_is_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kind
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 64])
-def test_q6_k_is_repacked_and_bit_identical(kernel_level, kernel_ops, rows):
+@pytest.mark.parametrize("kind", [T.Q6_K, T.Q4_K], ids=lambda kind: kind.name)
+def test_k_quants_are_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kind):
     # 40 rows: two whole panels and a ragged one; 512 deep: two 256-value records.
-    weight, dequantized = weight_of(T.Q6_K, 40, DEPTH, seed=rows)
+    weight, dequantized = weight_of(kind, 40, DEPTH, seed=rows)
     layer = QuantizedLinear(weight, None, level=kernel_level)
-    assert layer.repacked and layer.kernel_kind == 3
-    assert layer.packed_weight.numel() == 48 * weight.blocks.shape[1]  # the file's bytes
+    assert layer.repacked and layer.kernel_kind == {T.Q6_K: 3, T.Q4_K: 4}[kind]
+    # Q6_K: the file's bytes; Q4_K: 64 more a record (its 6-bit scales and mins as bytes).
+    extra = {T.Q6_K: 0, T.Q4_K: 64 * 2 * 3}[kind]
+    assert layer.packed_weight.numel() == 48 * weight.blocks.shape[1] + extra
     x = torch.randn(rows, DEPTH, generator=torch.Generator().manual_seed(rows))
     expected = kernel_ops.packed_linear(x, kernel_ops.pack_linear_weight(dequantized), None, 40)
     assert torch.equal(layer(x), expected)

@@ -51,7 +51,7 @@ constexpr int64_t kRowsBlock = 384;     // above 64 rows: rows of x per pass (38
 #else
 constexpr int64_t kRowsBlock = 192;     // above 64 rows: rows of x per pass (192 KB in L2)
 #endif
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2, kQ6_K = 3;  // the `kind` argument
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2, kQ6_K = 3, kQ4_K = 4;  // `kind`
 constexpr int64_t kPrefetchBytes = 4096;  // ~10 Q4_1 records ahead
 // Up to this many rows, the weights are dequantized in registers (fused_row_block): measured
 // at 1, 3 and 4 rows 9.2, 11.8 and 13.3 ms per step's GEMMs against 13-14 ms through a slice;
@@ -231,6 +231,67 @@ inline __m128i bit_bytes(const uint8_t* p, char value) {
   const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(value));
 }
+
+// A 256-deep Q4_K block of a panel. Per column d and dmin (float16); per 32 depths and column
+// the 6-bit scale and min as bytes; at each depth the 16 columns' nibbles as Q4_1's pairs.
+// w = fma(q, d scale, -(dmin min)): both products are exact in float32, so the one rounding
+// is `gguf`'s d q - m's. 2,368 bytes a record against the file's 2,304 (the scales unpacked).
+struct Q4_KRecord {
+  static constexpr int64_t kDepth = 256;
+  static constexpr int64_t kBytes = 2 * kPanel * 2 + 2 * (kDepth / 32) * kPanel + kDepth * 8;
+  const uint8_t* record;
+  __m256 d0, d1, n0, n1, D0, D1, M0, M1;  // n: -dmin
+#if defined(__AVX512F__)
+  __m512 d, n, D, M;
+#endif
+  explicit Q4_KRecord(const uint8_t* bytes) : record(bytes) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    d0 = half_to_float(record), d1 = half_to_float(record + 16);
+    n0 = _mm256_xor_ps(half_to_float(record + 32), sign);
+    n1 = _mm256_xor_ps(half_to_float(record + 48), sign);
+#if defined(__AVX512F__)
+    d = half16_to_float(record);
+    n = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(half16_to_float(record + 32)),
+                                             _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+#endif
+  }
+  const uint8_t* scales(int64_t k) const { return record + 4 * kPanel + k / 32 * kPanel; }
+  const uint8_t* mins(int64_t k) const { return scales(k) + kDepth / 32 * kPanel; }
+  __m128i values(int64_t k) const {
+    const uint8_t* q = record + 4 * kPanel + 2 * (kDepth / 32) * kPanel + k * 8;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+    return _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
+                              _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+  }
+  static __m256 widen(const uint8_t* p, int half) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  }
+  // Called for k = 0, 1, ... in order: the scales change every 32 depths.
+  void at(int64_t k, __m256& w0, __m256& w1) {
+    if (k % 32 == 0) {
+      D0 = _mm256_mul_ps(d0, widen(scales(k), 0)), D1 = _mm256_mul_ps(d1, widen(scales(k), 1));
+      M0 = _mm256_mul_ps(n0, widen(mins(k), 0)), M1 = _mm256_mul_ps(n1, widen(mins(k), 1));
+    }
+    const __m128i v = values(k);
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), D0, M0);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), D1, M1);
+  }
+#if defined(__AVX512F__)
+  static __m512 widen16(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  void at(int64_t k, __m512& w) {
+    if (k % 32 == 0) D = _mm512_mul_ps(d, widen16(scales(k))), M = _mm512_mul_ps(n, widen16(mins(k)));
+    w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(values(k))), D, M);
+  }
+  void at(int64_t k, Columns& w) { at(k, w.v); }
+#else
+  void at(int64_t k, Columns& w) { at(k, w.lo, w.hi); }
+#endif
+};
 
 // A 256-deep Q6_K block of a panel. Per column d (float16); per 16 depths and column an int8
 // scale; at each depth the 16 columns' low nibbles as Q4_1's pairs (8 bytes), then their two
@@ -470,9 +531,10 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
     case kQ8_0: return quantized_linear_of<Q8_0Record>(input, packed, bias, out_features);
     case kQ5_0: return quantized_linear_of<Q5_0Record>(input, packed, bias, out_features);
     case kQ6_K: return quantized_linear_of<Q6_KRecord>(input, packed, bias, out_features);
+    case kQ4_K: return quantized_linear_of<Q4_KRecord>(input, packed, bias, out_features);
     default:
-      TORCH_CHECK(false, "quantized_linear: kind 0 (Q4_1), 1 (Q8_0), 2 (Q5_0) or 3 (Q6_K), not ",
-                  kind);
+      TORCH_CHECK(false, "quantized_linear: kind 0 (Q4_1), 1 (Q8_0), 2 (Q5_0), 3 (Q6_K) or ",
+                  "4 (Q4_K), not ", kind);
   }
 }
 

@@ -30,8 +30,8 @@ _T = GGMLQuantizationType
 KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
 # The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
 # mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
-# So does Q6_K (llama.cpp's Q6_K files and the down projections of its Q4_K_M mixes).
-EXACT_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q6_K: 3}
+# So do Q6_K and Q4_K (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
+EXACT_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q6_K: 3, _T.Q4_K: 4}
 # Every type the GGUF kernels take as stored (gguf_type_table.cpp; a test checks the two agree).
 GGUF_KERNEL_TYPES = frozenset(
     {
@@ -230,12 +230,38 @@ def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     return _records(d, scales, per_depth)
 
 
+def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q4_K for the exact kernel (quantized_linear.cpp's Q4_KRecord): [panels, blocks of 256,
+    record]; per record 16 float16 d, 16 dmin, 8 x 16 scales and 8 x 16 mins (sub-block,
+    column; uint8), then per depth 8 bytes of nibble pairs."""
+    rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
+    blocks = weight.blocks.view(rows, num_blocks, 144)
+    # Value 64 c + 32 h + j: nibble h of byte 16 + 32 c + j; sub-block 2 c + h's 6-bit scale
+    # and min from the 12 bytes at 4 (gguf/quants.py's Q4_K).
+    qs = blocks[..., 16:144].reshape(rows, num_blocks, 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, num_blocks, 256)
+    packed = blocks[..., 4:16]
+    first, last = packed[..., 0:4], packed[..., 8:12]
+    scales = torch.cat([first & 63, (last & 0x0F) | ((first >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([packed[..., 4:8] & 63, (last >> 4) | ((packed[..., 4:8] >> 2) & 0x30)], -1)
+    nibbles = _panel_major(q)  # [P, B, 256, 16]
+    return _records(
+        _panel_major(_float16(blocks[..., 0:2])),
+        _panel_major(_float16(blocks[..., 2:4])),
+        _panel_major(scales),
+        _panel_major(mins),
+        nibbles[..., :8] | (nibbles[..., 8:] << 4),
+    )
+
+
 def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
     """The exact kernel's layout: [panels, in_features / 32, record] uint8, one record per
     panel of 16 output columns and 32-row block (see pipellm/kernels/quantized_linear.cpp).
     Scales (and mins) stay float16, as in the file: the kernel widens them exactly (F16C)."""
     if weight.kind == GGMLQuantizationType.Q6_K:
         return pack_q6_k_weight(weight)
+    if weight.kind == GGMLQuantizationType.Q4_K:
+        return pack_q4_k_weight(weight)
     scales, mins, q = _by_panels(weight)
     if mins is not None:
         pairs = q[..., :8] | (q[..., 8:] << 4)  # byte j: column j low, column j + 8 high
