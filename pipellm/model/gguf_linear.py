@@ -9,10 +9,11 @@ Q4_0) are repacked at load into panels of 16 interleaved rows for the exact kern
 Q8_0 (the same products). Every other type the kernels take (GGUF_KERNEL_TYPES), and every
 type under int8 activations but Q4_1/Q8_0, computes on the file's row-major blocks as they are
 (pipellm/kernels/gguf_linear.cpp), and a fused q/k/v or gate/up whose parts the file stores in
-other mixes of types keeps each part in its own type. Both exact kernels are bit-identical to the float32 GEMM on the weights `gguf`
-dequantizes (see their headers for why), so the model computes exactly the same numbers, only
-faster; with int8 activations (`quantization="gguf_int8"`) x is rounded to 8 bits per 32
-values, as llama.cpp's dot products do.
+other mixes of types keeps each part in its own type. Both exact kernels are bit-identical to
+the float32 GEMM on the weights `gguf` dequantizes (see their headers for why), so the model
+computes exactly the same numbers, only faster; with int8 activations
+(`quantization="gguf_int8"`) x is rounded to 8 bits per 32 values, as llama.cpp's dot products
+do.
 """
 
 from __future__ import annotations
