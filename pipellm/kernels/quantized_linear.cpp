@@ -221,17 +221,6 @@ struct Q5_0Record {
 #endif
 };
 
-// 16 bits -> 16 bytes: byte j is `value` where bit j is set, else 0.
-inline __m128i bit_bytes(const uint8_t* p, char value) {
-  uint16_t bits;
-  __builtin_memcpy(&bits, p, 2);
-  const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi16(static_cast<int16_t>(bits)),
-                                          _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1,
-                                                        1, 1, 1));
-  const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(value));
-}
-
 // A 256-deep Q4_K block of a panel. Per column d and dmin (float16); per 32 depths and column
 // the 6-bit scale and min as bytes; at each depth the 16 columns' nibbles as Q4_1's pairs.
 // w = fma(q, d scale, -(dmin min)): both products are exact in float32, so the one rounding
@@ -294,8 +283,9 @@ struct Q4_KRecord {
 };
 
 // A 256-deep Q6_K block of a panel. Per column d (float16); per 16 depths and column an int8
-// scale; at each depth the 16 columns' low nibbles as Q4_1's pairs (8 bytes), then their two
-// high bits as two 16-bit words (bit j: column j). w = (d scale) (q - 32): d scale is exact in
+// scale; at each depth the 16 columns' low nibbles as Q4_1's pairs (8 bytes); then per 4
+// depths 16 bytes of high bits, byte j holding column j's two bits for depth 4 i + t at bits
+// 2 t (one shift and mask a depth). w = (d scale) (q - 32): d scale is exact in
 // float32 (11 by 8 bits) and the product with q rounds once, as `gguf`'s two multiplies do.
 // The same bytes as the file's blocks (210 a column).
 struct Q6_KRecord {
@@ -316,13 +306,17 @@ struct Q6_KRecord {
     return reinterpret_cast<const int8_t*>(record + kPanel * 2 + k / 16 * kPanel);
   }
   __m128i values(int64_t k) const {
-    const uint8_t* q = record + kPanel * 2 + kDepth / 16 * kPanel + k * 12;
+    const uint8_t* q = record + kPanel * 2 + kDepth / 16 * kPanel + k * 8;
+    const uint8_t* h = record + kPanel * 2 + kDepth / 16 * kPanel + kDepth * 8 + k / 4 * kPanel;
     const __m128i low = _mm_set1_epi8(0x0F);
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
                                                _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-    const __m128i high = _mm_or_si128(bit_bytes(q + 8, 16), bit_bytes(q + 10, 32));
-    return _mm_sub_epi8(_mm_or_si128(nibbles, high), _mm_set1_epi8(32));
+    const __m128i bits = _mm_and_si128(
+        _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)),
+                      _mm_cvtsi32_si128(static_cast<int>(2 * (k % 4)))),
+        _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(nibbles, _mm_slli_epi16(bits, 4)), _mm_set1_epi8(32));
   }
   // Called for k = 0, 1, ... in order: the scales change every 16 depths.
   void at(int64_t k, __m256& w0, __m256& w1) {

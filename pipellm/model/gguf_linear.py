@@ -208,8 +208,8 @@ def _bit_words(bits: torch.Tensor) -> torch.Tensor:
 
 def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     """Q6_K for the exact kernel (quantized_linear.cpp's Q6_KRecord): [panels, blocks of 256,
-    record]; per record 16 float16 d, 16 x 16 int8 scales (sub-block, column), then per depth
-    8 bytes of nibble pairs and two 16-bit words of the high bits."""
+    record]; per record 16 float16 d, 16 x 16 int8 scales (sub-block, column), per depth 8
+    bytes of nibble pairs, then per 4 depths 16 bytes of high bits (column j's in byte j)."""
     rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
     blocks = weight.blocks.view(rows, num_blocks, 210)
     # Value 128 h + 32 g + j: nibble of ql byte 64 h + 32 (g % 2) + j (the high one for g >= 2),
@@ -223,15 +223,11 @@ def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     d = _panel_major(_float16(blocks[..., 208:210]))  # [P, B, 16]
     nibbles = q & 0x0F
     pairs = nibbles[..., :8] | (nibbles[..., 8:] << 4)
-    per_depth = torch.cat(
-        [
-            pairs,
-            _bit_words((q >> 4) & 1).view(torch.uint8),
-            _bit_words((q >> 5) & 1).view(torch.uint8),
-        ],
-        dim=-1,
-    )
-    return _records(d, scales, per_depth)
+    panels = q.shape[0]
+    high = (q >> 4).view(panels, num_blocks, 64, 4, PANEL)  # depth 4 i + t
+    packed_high = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4)
+    packed_high |= high[:, :, :, 3] << 6
+    return _records(d, scales, pairs, packed_high)
 
 
 def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
@@ -273,9 +269,7 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
     if weight.kind == GGMLQuantizationType.Q5_0:  # Q4_1's nibble pairs, then fifth bits
         low = q & 0x0F
         pairs = low[..., :8] | (low[..., 8:] << 4)
-        fifth = (q >> 4).to(torch.int32) << torch.arange(PANEL, dtype=torch.int32)
-        words = fifth.sum(dim=-1, keepdim=True).to(torch.int16)  # bit j: column j
-        return _records(scales, pairs, words)
+        return _records(scales, pairs, _bit_words(q >> 4))
     return _records(scales, q)
 
 
