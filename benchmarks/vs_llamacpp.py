@@ -30,6 +30,8 @@ each pipellm configuration's.
     .venv/bin/python benchmarks/vs_llamacpp.py --model Q4_K_M.gguf --rounds 1 --workloads single
     .venv/bin/python benchmarks/vs_llamacpp.py --workloads single --configs int8 int8-unfused
     .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp-python /opt/llamacpp-venv/bin/python
+    LLAMA_CPP_LIB_PATH=LLAMA_BUILD/bin .venv/bin/python benchmarks/vs_llamacpp.py \
+        --llamacpp-python LLAMA_VENV/bin/python --llamacpp-path llama_cpp_python-0.3.36
 
 Building llama-cpp-python: on a CPU with AMX (Sapphire Rapids and later Xeons) a build with
 llama.cpp's default GGML_NATIVE=ON also compiles its AMX matmul, which crashes (SIGSEGV in
@@ -205,10 +207,22 @@ def llamacpp_child(args: argparse.Namespace) -> dict[str, float | str]:
 
 
 def run_child(
-    config: str, workload: str, rnd: int, argv: list[str], llamacpp_python: str
+    config: str,
+    workload: str,
+    rnd: int,
+    argv: list[str],
+    llamacpp_python: str,
+    llamacpp_path: str | None,
 ) -> dict[str, float | str]:
     engine, env, _ = CONFIGS[config]
     python = llamacpp_python if engine == "llamacpp" else sys.executable
+    if engine == "llamacpp" and llamacpp_path:
+        env = {
+            **env,
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [llamacpp_path, os.environ.get("PYTHONPATH")])
+            ),
+        }
     command = [python, __file__, "--child", config, "--workload", workload]
     command += [*argv, "--seed", str(rnd)]
     out = subprocess.run(
@@ -222,10 +236,17 @@ def run_child(
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def check_llamacpp(python: str) -> None:
+def check_llamacpp(python: str, path: str | None) -> None:
     """Fails before any measurement if `python` cannot import llama_cpp."""
+    env = dict(os.environ)
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")]))
     probe = subprocess.run(
-        [python, "-c", "import llama_cpp, numpy"], capture_output=True, text=True, check=False
+        [python, "-c", "import llama_cpp, numpy"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
     )
     if probe.returncode != 0:
         raise SystemExit(
@@ -261,6 +282,14 @@ def main() -> None:
         "one)",
     )
     parser.add_argument(
+        "--llamacpp-path",
+        default=os.environ.get("PIPELLM_LLAMACPP_PATH"),
+        help="a folder holding the llama_cpp package's sources (e.g. an unpacked "
+        "llama-cpp-python sdist), put on the llama.cpp child's PYTHONPATH when the bench extra "
+        "is not installed; LLAMA_CPP_LIB_PATH then names the folder with its libllama.so "
+        "(default: $PIPELLM_LLAMACPP_PATH)",
+    )
+    parser.add_argument(
         "--model", default=None, help="the GGUF file both engines load (default: the built-in)"
     )
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
@@ -270,7 +299,7 @@ def main() -> None:
         child = llamacpp_child if CONFIGS[args.child][0] == "llamacpp" else pipellm_child
         print(json.dumps(child(args)))
         return
-    check_llamacpp(args.llamacpp_python)
+    check_llamacpp(args.llamacpp_python, args.llamacpp_path)
     from pipellm.kernels.cpu_kernels import int8_activations_unavailable
     from pipellm.loader.source import resolve_model
 
@@ -293,7 +322,14 @@ def main() -> None:
         configs = configs_for(workload)
         for rnd in range(args.rounds):
             for config in configs[rnd % len(configs) :] + configs[: rnd % len(configs)]:
-                r = run_child(config, workload, rnd + args.seed, argv, args.llamacpp_python)
+                r = run_child(
+                    config,
+                    workload,
+                    rnd + args.seed,
+                    argv,
+                    args.llamacpp_python,
+                    args.llamacpp_path,
+                )
                 info = r.pop("system_info", None)
                 if info and not shown_info:
                     print(f"llama.cpp system info: {info}")

@@ -51,7 +51,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"  # auto = float32, what the CPU kernels compute in
     load_format: str = "auto"
-    # gguf: linear layers compute on a GGUF file's Q4_1/Q8_0 weights as stored (exactly the
+    # gguf: linear layers compute on a GGUF file's quantized weights as stored (exactly the
     # same results, a 5x smaller weight stream); none: dequantize every weight to `dtype`.
     # gguf_int8 (opt-in, changes numerics): gguf, with activations rounded to int8 per 32
     # values for integer dot products, as llama.cpp does (faster decode; top-1 agreement

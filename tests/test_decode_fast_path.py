@@ -39,16 +39,18 @@ def checkpoint(tmp_path_factory):
 
 
 T = GGMLQuantizationType
-# A mix as llama.cpp's quantizer writes for widths that are not whole K-quant blocks: fused
-# q/k/v and gate/up of different types, computed on their stored blocks.
+# A mix as llama.cpp's quantizer writes for widths that are not whole K-quant blocks: a q/k/v
+# of Q5_0 and Q8_0 (widened to Q8_0 for the repacked kernel), a Q5_0 o_proj (repacked as
+# itself), and a gate/up of different types and a Q5_1 down_proj computed on their stored
+# blocks.
 MIXED_TYPES = {
     "q_proj": T.Q5_0,
-    "k_proj": T.Q4_0,
+    "k_proj": T.Q5_0,
     "v_proj": T.Q8_0,
-    "o_proj": T.Q5_1,
+    "o_proj": T.Q5_0,
     "gate_proj": T.Q4_0,
     "up_proj": T.Q5_0,
-    "down_proj": T.Q8_0,
+    "down_proj": T.Q5_1,
 }
 
 

@@ -121,6 +121,39 @@ def test_parts_of_different_types_stay_in_their_types(kernel_level, kernel_ops, 
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 64])
+@pytest.mark.parametrize("kinds", [(T.Q5_0,), (T.Q5_0, T.Q8_0, T.Q5_0)], ids=["Q5_0", "Q5_0+Q8_0"])
+def test_q5_0_is_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kinds):
+    # Q5_0 alone keeps its 5.5 bits in the repacked layout; a q/k/v of Q5_0 and Q8_0 parts is
+    # widened to Q8_0 (the same products), so both take the repacked kernel.
+    parts = [weight_of(kind, 24, DEPTH, seed=i) for i, kind in enumerate(kinds)]
+    dequantized = torch.cat([d for _, d in parts])
+    weight = stack_rows([w for w, _ in parts])
+    layer = QuantizedLinear(weight, None, level=kernel_level)
+    assert layer.repacked and layer.kernel_kind == (2 if len(kinds) == 1 else 1)
+    if len(kinds) == 1:  # as many bytes as the file's blocks, but for panel padding
+        assert layer.packed_weight.numel() == -(-24 // 16) * 16 * weight.blocks.shape[1]
+    x = torch.randn(rows, DEPTH, generator=torch.Generator().manual_seed(rows))
+    packed = kernel_ops.pack_linear_weight(dequantized)
+    expected = kernel_ops.packed_linear(x, packed, None, dequantized.shape[0])
+    assert torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 64])
+@pytest.mark.parametrize("kind", [T.Q6_K, T.Q4_K], ids=lambda kind: kind.name)
+def test_k_quants_are_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kind):
+    # 40 rows: two whole panels and a ragged one; 512 deep: two 256-value records.
+    weight, dequantized = weight_of(kind, 40, DEPTH, seed=rows)
+    layer = QuantizedLinear(weight, None, level=kernel_level)
+    assert layer.repacked and layer.kernel_kind == {T.Q6_K: 3, T.Q4_K: 4}[kind]
+    # Q6_K: the file's bytes; Q4_K: 64 more a record (its 6-bit scales and mins as bytes).
+    extra = {T.Q6_K: 0, T.Q4_K: 64 * 2 * 3}[kind]
+    assert layer.packed_weight.numel() == 48 * weight.blocks.shape[1] + extra
+    x = torch.randn(rows, DEPTH, generator=torch.Generator().manual_seed(rows))
+    expected = kernel_ops.packed_linear(x, kernel_ops.pack_linear_weight(dequantized), None, 40)
+    assert torch.equal(layer(x), expected)
+
+
 def test_float16_types_keep_the_exact_path_under_int8(kernel_level):
     weight, dequantized = weight_of(T.F16, 16, 64, seed=0)
     layer = QuantizedLinear(weight, None, level=kernel_level, int8_activations=True)

@@ -28,7 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         choices=["gguf", "gguf_int8", "none"],
-        help="gguf: compute on a GGUF model's Q4_1/Q8_0 weights as stored (same results, "
+        help="gguf: compute on a GGUF model's quantized weights as stored (same results, "
         "faster decode); gguf_int8: that with activations rounded to int8 for integer dot "
         "products, as llama.cpp computes (opt-in: faster decode, not bit-identical); none: "
         "dequantize them to --dtype (default: gguf for GGUF models)",

@@ -4,10 +4,15 @@
 // lookup on such rows.
 //
 // Exact path (gguf_linear): for each panel of 16 output columns and each 256-deep slice, the
-// 16 rows' values are dequantized (each by its type's to_float, bit-identical to `gguf`'s
-// float32) and transposed into an L1-sized float32 slice, then multiplied by the same register
-// blocks as packed_linear, in the same order: the outputs are bit-identical to packing the
-// dequantized weights.
+// 16 rows' blocks are decoded to integers q with a (D, M) per 16 values (the int8 path's
+// decode) and transposed as bytes to depth-major order; the same register blocks as
+// packed_linear then multiply, in the same order, weights w = fma(q, D, M) that round exactly
+// as `gguf`'s float32 do, so the outputs are bit-identical to packing the dequantized weights.
+// Up to one register block of rows (decode) the weights are dequantized in registers as the
+// block reads them; for more rows, once into an L1-sized float32 slice that every block
+// reads. A panel holding a 16-bit float row takes its values from to_float, transposed.
+// Against dequantizing each row to float32 and transposing floats, this moves 4x fewer bytes
+// per weight before the multiply.
 //
 // Int8-activation path (gguf_linear_int8): x is rounded to int8 per 32 values (scale
 // max|x| / 127, nearest), as llama.cpp's dot products round their activations; each weight
@@ -96,6 +101,74 @@ void transpose_into_slice(const float* tmp, int64_t n, float* slice) {
     }
 }
 
+// 16 rows' decoded q [16][256] -> qt [n][16] (depth-major), n a multiple of 32: a 16 x 16
+// byte transpose is four rounds of interleaving register i with register i + 8 (each round
+// rotates the 8-bit (register, byte) index by one); the two 128-bit lanes do depths k..k+15
+// and k+16..k+31 at once.
+void transpose_q_into_slice(const int8_t* q, int64_t n, int8_t* qt) {
+  for (int64_t k0 = 0; k0 < n; k0 += 32) {
+    __m256i r[16], t[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * kSliceDepth + k0));
+    for (int round = 0; round < 4; ++round) {
+      for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm256_unpacklo_epi8(r[i], r[i + 8]);
+        t[2 * i + 1] = _mm256_unpackhi_epi8(r[i], r[i + 8]);
+      }
+      for (int i = 0; i < 16; ++i) r[i] = t[i];
+    }
+    for (int i = 0; i < 16; ++i) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + (k0 + i) * kPanel),
+                       _mm256_castsi256_si128(r[i]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qt + (k0 + 16 + i) * kPanel),
+                       _mm256_extracti128_si256(r[i], 1));
+    }
+  }
+}
+
+// A panel's slice as decoded integers, depth-major, dequantized in registers as the GEMM step
+// reads it: w = fma(q, D, M) (or D q where no row has an offset), the same single rounding as
+// the type's to_float, so the weights, and with them the outputs, are bit-identical to the
+// float32 slice; it saves the float32 slice's stores, loads and transpose.
+struct DecodedSlice {
+  const int8_t* qt;     // [n][16]
+  const float* scale;   // [n / 16][16]
+  const float* offset;  // [n / 16][16]
+  bool has_offset;
+  void at(int64_t k, __m256& w0, __m256& w1) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qt + k * kPanel));
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+    const float* d = scale + (k / kSubBlock) * kPanel;
+    if (has_offset) {
+      const float* m = offset + (k / kSubBlock) * kPanel;
+      w0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(d), _mm256_loadu_ps(m));
+      w1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(d + 8), _mm256_loadu_ps(m + 8));
+    } else {
+      w0 = _mm256_mul_ps(q0, _mm256_loadu_ps(d));
+      w1 = _mm256_mul_ps(q1, _mm256_loadu_ps(d + 8));
+    }
+  }
+#if defined(__AVX512F__)
+  void at(int64_t k, __m512& w) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qt + k * kPanel));
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    const float* d = scale + (k / kSubBlock) * kPanel;
+    w = has_offset ? _mm512_fmadd_ps(q, _mm512_loadu_ps(d),
+                                     _mm512_loadu_ps(offset + (k / kSubBlock) * kPanel))
+                   : _mm512_mul_ps(q, _mm512_loadu_ps(d));
+  }
+#endif
+};
+
+// Whether every row of panel p has an integer decode (a 16-bit float row has none).
+bool panel_decodes(const std::vector<WeightRow>& rows, int64_t p) {
+  const int64_t last = std::min<int64_t>(rows.size(), (p + 1) * kPanel);
+  for (int64_t c = p * kPanel; c < last; ++c)
+    if (rows[c].type->decode == nullptr) return false;
+  return true;
+}
+
 at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArrayRef types,
                        const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
@@ -109,10 +182,74 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
   PanelOutput y(m, out_features, panels, bias, x.options());
   if (y.empty()) return y.finish();
   const float* xp = x.data_ptr<float>();
+  constexpr int64_t kSubs = kSliceDepth / kSubBlock;
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     alignas(64) float tmp[kPanel * kSliceDepth];
     alignas(64) float slice[kSliceDepth * kPanel];
-    auto panel_slice = [&](int64_t p, int64_t k0, int64_t m0, int64_t m1) {
+    alignas(64) int8_t q[kPanel * kSliceDepth];
+    alignas(64) int8_t qt[kSliceDepth * kPanel];
+    alignas(64) float row_scale[kPanel][kSubs], row_offset[kPanel][kSubs];
+    alignas(64) float scale[kSubs * kPanel], offset[kSubs * kPanel];
+    auto run_rows = [&](auto& weights, int64_t p, int64_t k0, int64_t n, int64_t m0,
+                        int64_t m1) {
+      float* dst = y.dst(p);
+      const int64_t ld = y.ld(p);
+      for_each_row_block(m0, m1, [&](int64_t r, int64_t count) {
+        auto block = [&]<int R>() {
+          pipellm_kernels::row_block_of<R>(xp + r * depth + k0, depth, weights, 0, n,
+                                           dst + r * ld, ld, k0 > 0, y.bias(p));
+        };
+        [&]<int... R>(std::integer_sequence<int, R...>) {
+          ((count == R + 1 ? (block.template operator()<R + 1>(), 0) : 0), ...);
+        }(std::make_integer_sequence<int, pipellm_kernels::kRows>{});
+      });
+    };
+    // The 16 rows decoded to integers, transposed, and dequantized in registers.
+    auto decoded_slice = [&](int64_t p, int64_t k0, int64_t m0, int64_t m1) {
+      const int64_t k1 = std::min(depth, k0 + kSliceDepth), n = k1 - k0;
+      bool has_offset = false;
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t column = p * kPanel + c;
+        int8_t* qc = q + c * kSliceDepth;
+        if (column >= out_features) {
+          std::fill(qc, qc + n, 0);
+          std::fill(row_scale[c], row_scale[c] + n / kSubBlock, 0.0f);
+          std::fill(row_offset[c], row_offset[c] + n / kSubBlock, 0.0f);
+          continue;
+        }
+        const GgufType* type = rows[column].type;
+        const int64_t bv = type->block_values, per_block = bv / kSubBlock;
+        for (int64_t b = 0; b < n / bv; ++b)
+          type->decode(rows[column].blocks + (k0 / bv + b) * type->block_bytes, qc + b * bv,
+                       row_scale[c] + b * per_block, row_offset[c] + b * per_block);
+        if (type->has_offset)
+          has_offset = true;
+        else  // D q alone, as the type's to_float computes it
+          std::fill(row_offset[c], row_offset[c] + n / kSubBlock, 0.0f);
+      }
+      transpose_q_into_slice(q, n, qt);
+      for (int64_t s = 0; s < n / kSubBlock; ++s)
+        for (int64_t c = 0; c < kPanel; ++c) {
+          scale[s * kPanel + c] = row_scale[c][s];
+          offset[s * kPanel + c] = row_offset[c][s];
+        }
+      DecodedSlice decoded{qt, scale, offset, has_offset};
+      if (m1 - m0 <= pipellm_kernels::kRows) {  // one register block: dequantized once anyway
+        run_rows(decoded, p, k0, n, m0, m1);
+        return;
+      }
+      // Several register blocks would each dequantize it again: once, into float32.
+      for (int64_t k = 0; k < n; ++k) {
+        __m256 w0, w1;
+        decoded.at(k, w0, w1);
+        _mm256_store_ps(slice + k * kPanel, w0);
+        _mm256_store_ps(slice + k * kPanel + 8, w1);
+      }
+      pipellm_kernels::PackedPanel weights{slice, nullptr};
+      run_rows(weights, p, k0, n, m0, m1);
+    };
+    // Panels holding a 16-bit float row: float32 values, transposed.
+    auto float_slice = [&](int64_t p, int64_t k0, int64_t m0, int64_t m1) {
       const int64_t k1 = std::min(depth, k0 + kSliceDepth), n = k1 - k0;
       for (int64_t c = 0; c < kPanel; ++c) {
         const int64_t column = p * kPanel + c;
@@ -126,12 +263,14 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
         row.type->to_float(row.blocks, k0 / bv, n / bv, dst);
       }
       transpose_into_slice(tmp, n, slice);
-      float* dst = y.dst(p);
-      const int64_t ld = y.ld(p);
-      for_each_row_block(m0, m1, [&](int64_t r, int64_t count) {
-        kRowBlock[count](xp + r * depth + k0, depth, slice, 0, n, dst + r * ld, ld, k0 > 0,
-                         y.bias(p), nullptr);
-      });
+      pipellm_kernels::PackedPanel weights{slice, nullptr};
+      run_rows(weights, p, k0, n, m0, m1);
+    };
+    auto panel_slice = [&](int64_t p, int64_t k0, int64_t m0, int64_t m1) {
+      if (panel_decodes(rows, p))
+        decoded_slice(p, k0, m0, m1);
+      else
+        float_slice(p, k0, m0, m1);
     };
     for_each_slice_pass(m, depth, kRowsBlock, kSliceDepth, first, last, panel_slice);
   });

@@ -1,4 +1,4 @@
-// y = x W^T + b in float32, with W kept in a GGUF quantized format (Q4_1 or Q8_0) and
+// y = x W^T + b in float32, with W kept in a GGUF quantized format (Q4_1, Q8_0 or Q5_0) and
 // dequantized on the fly for the same 6 x 16 register block as packed_linear: at 1-4 rows of x
 // in registers, depth by depth; at more rows slice by slice into an L1-sized float32 buffer
 // that every row block of x then uses.
@@ -17,7 +17,10 @@
 //         F16C's vcvtph2ps, and a sixth fewer bytes to stream than float32 copies), then
 //         32 x 8 bytes: at depth k, byte j holds
 //         column j's q in its low nibble and column j + 8's in its high nibble;
-//   Q8_0: 16 float16 scales d, then 32 x 16 int8 q, column j at byte j.
+//   Q8_0: 16 float16 scales d, then 32 x 16 int8 q, column j at byte j;
+//   Q5_0: 16 float16 scales d, then 32 x 8 bytes of low nibbles as Q4_1's, then 32 x 2 bytes:
+//         at depth k, bit j of the 16-bit word is column j's fifth bit; w = d (q - 16), which
+//         like Q8_0's d q is one exact product (the same size in memory as the file's blocks).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -48,7 +51,7 @@ constexpr int64_t kRowsBlock = 384;     // above 64 rows: rows of x per pass (38
 #else
 constexpr int64_t kRowsBlock = 192;     // above 64 rows: rows of x per pass (192 KB in L2)
 #endif
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;  // the `kind` argument
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2, kQ6_K = 3, kQ4_K = 4;  // `kind`
 constexpr int64_t kPrefetchBytes = 4096;  // ~10 Q4_1 records ahead
 // Up to this many rows, the weights are dequantized in registers (fused_row_block): measured
 // at 1, 3 and 4 rows 9.2, 11.8 and 13.3 ms per step's GEMMs against 13-14 ms through a slice;
@@ -104,6 +107,7 @@ struct Columns {
 
 // One record (a 32-deep block of a panel), dequantized depth by depth into registers.
 struct Q4_1Record {
+  static constexpr int64_t kDepth = kBlock;
   static constexpr int64_t kBytes = 2 * kPanel * 2 + kBlock * kPanel / 2;
   __m256 d0, d1, m0, m1;
   const uint8_t* q;
@@ -142,6 +146,7 @@ struct Q4_1Record {
 };
 
 struct Q8_0Record {
+  static constexpr int64_t kDepth = kBlock;
   static constexpr int64_t kBytes = kPanel * 2 + kBlock * kPanel;
   __m256 d0, d1;
   const uint8_t* q;
@@ -169,9 +174,175 @@ struct Q8_0Record {
 #endif
 };
 
-constexpr int64_t record_bytes(int64_t kind) {
-  return kind == kQ4_1 ? Q4_1Record::kBytes : Q8_0Record::kBytes;
-}
+struct Q5_0Record {
+  static constexpr int64_t kDepth = kBlock;
+  static constexpr int64_t kBytes = kPanel * 2 + kBlock * kPanel / 2 + kBlock * 2;
+  __m256 d0, d1;
+  const uint8_t* q;
+  const uint8_t* high;
+  explicit Q5_0Record(const uint8_t* record) {
+    d0 = half_to_float(record), d1 = half_to_float(record + 16);
+#if defined(__AVX512F__)
+    d = half16_to_float(record);
+#endif
+    q = record + kPanel * 2;
+    high = q + kBlock * kPanel / 2;
+  }
+  // Columns 0-15 at depth k as int8 q - 16.
+  __m128i values(int64_t k) const {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8));
+    const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
+                                               _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    uint16_t bits;
+    __builtin_memcpy(&bits, high + 2 * k, 2);
+    // byte j <- bit j of bits: spread the word's two bytes over 8 lanes each, keep one bit
+    const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi16(static_cast<int16_t>(bits)),
+                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
+                                                          1, 1, 1, 1));
+    const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    const __m128i fifth =
+        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(0x10));
+    return _mm_sub_epi8(_mm_or_si128(nibbles, fifth), _mm_set1_epi8(16));
+  }
+  void at(int64_t k, __m256& w0, __m256& w1) const {
+    const __m128i v = values(k);
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), d1);
+  }
+#if defined(__AVX512F__)
+  void at(int64_t k, __m512& w) const {
+    w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values(k))), d);
+  }
+  __m512 d;
+  void at(int64_t k, Columns& w) const { at(k, w.v); }
+#else
+  void at(int64_t k, Columns& w) const { at(k, w.lo, w.hi); }
+#endif
+};
+
+// A 256-deep Q4_K block of a panel. Per column d and dmin (float16); per 32 depths and column
+// the 6-bit scale and min as bytes; at each depth the 16 columns' nibbles as Q4_1's pairs.
+// w = fma(q, d scale, -(dmin min)): both products are exact in float32, so the one rounding
+// is `gguf`'s d q - m's. 2,368 bytes a record against the file's 2,304 (the scales unpacked).
+struct Q4_KRecord {
+  static constexpr int64_t kDepth = 256;
+  static constexpr int64_t kBytes = 2 * kPanel * 2 + 2 * (kDepth / 32) * kPanel + kDepth * 8;
+  const uint8_t* record;
+  __m256 d0, d1, n0, n1, D0, D1, M0, M1;  // n: -dmin
+#if defined(__AVX512F__)
+  __m512 d, n, D, M;
+#endif
+  explicit Q4_KRecord(const uint8_t* bytes) : record(bytes) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    d0 = half_to_float(record), d1 = half_to_float(record + 16);
+    n0 = _mm256_xor_ps(half_to_float(record + 32), sign);
+    n1 = _mm256_xor_ps(half_to_float(record + 48), sign);
+#if defined(__AVX512F__)
+    d = half16_to_float(record);
+    n = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(half16_to_float(record + 32)),
+                                             _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+#endif
+  }
+  const uint8_t* scales(int64_t k) const { return record + 4 * kPanel + k / 32 * kPanel; }
+  const uint8_t* mins(int64_t k) const { return scales(k) + kDepth / 32 * kPanel; }
+  __m128i values(int64_t k) const {
+    const uint8_t* q = record + 4 * kPanel + 2 * (kDepth / 32) * kPanel + k * 8;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+    return _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
+                              _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+  }
+  static __m256 widen(const uint8_t* p, int half) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  }
+  // Called for k = 0, 1, ... in order: the scales change every 32 depths.
+  void at(int64_t k, __m256& w0, __m256& w1) {
+    if (k % 32 == 0) {
+      D0 = _mm256_mul_ps(d0, widen(scales(k), 0)), D1 = _mm256_mul_ps(d1, widen(scales(k), 1));
+      M0 = _mm256_mul_ps(n0, widen(mins(k), 0)), M1 = _mm256_mul_ps(n1, widen(mins(k), 1));
+    }
+    const __m128i v = values(k);
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), D0, M0);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))), D1, M1);
+  }
+#if defined(__AVX512F__)
+  static __m512 widen16(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  void at(int64_t k, __m512& w) {
+    if (k % 32 == 0) D = _mm512_mul_ps(d, widen16(scales(k))), M = _mm512_mul_ps(n, widen16(mins(k)));
+    w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(values(k))), D, M);
+  }
+  void at(int64_t k, Columns& w) { at(k, w.v); }
+#else
+  void at(int64_t k, Columns& w) { at(k, w.lo, w.hi); }
+#endif
+};
+
+// A 256-deep Q6_K block of a panel. Per column d (float16); per 16 depths and column an int8
+// scale; at each depth the 16 columns' low nibbles as Q4_1's pairs (8 bytes); then per 4
+// depths 16 bytes of high bits, byte j holding column j's two bits for depth 4 i + t at bits
+// 2 t (one shift and mask a depth). w = (d scale) (q - 32): d scale is exact in
+// float32 (11 by 8 bits) and the product with q rounds once, as `gguf`'s two multiplies do.
+// The same bytes as the file's blocks (210 a column).
+struct Q6_KRecord {
+  static constexpr int64_t kDepth = 256;
+  static constexpr int64_t kBytes = kPanel * 2 + kDepth / 16 * kPanel + kDepth * 12;
+  const uint8_t* record;
+  __m256 d0, d1, D0, D1;
+#if defined(__AVX512F__)
+  __m512 d, D;
+#endif
+  explicit Q6_KRecord(const uint8_t* bytes) : record(bytes) {
+    d0 = half_to_float(record), d1 = half_to_float(record + 16);
+#if defined(__AVX512F__)
+    d = half16_to_float(record);
+#endif
+  }
+  const int8_t* scales(int64_t k) const {
+    return reinterpret_cast<const int8_t*>(record + kPanel * 2 + k / 16 * kPanel);
+  }
+  __m128i values(int64_t k) const {
+    const uint8_t* q = record + kPanel * 2 + kDepth / 16 * kPanel + k * 8;
+    const uint8_t* h = record + kPanel * 2 + kDepth / 16 * kPanel + kDepth * 8 + k / 4 * kPanel;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+    const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
+                                               _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    const __m128i bits = _mm_and_si128(
+        _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)),
+                      _mm_cvtsi32_si128(static_cast<int>(2 * (k % 4)))),
+        _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(nibbles, _mm_slli_epi16(bits, 4)), _mm_set1_epi8(32));
+  }
+  // Called for k = 0, 1, ... in order: the scales change every 16 depths.
+  void at(int64_t k, __m256& w0, __m256& w1) {
+    if (k % 16 == 0) {
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales(k)));
+      D0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+      D1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    }
+    const __m128i v = values(k);
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), D0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), D1);
+  }
+#if defined(__AVX512F__)
+  void at(int64_t k, __m512& w) {
+    if (k % 16 == 0) {
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales(k)));
+      D = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    }
+    w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values(k))), D);
+  }
+  void at(int64_t k, Columns& w) { at(k, w.v); }
+#else
+  void at(int64_t k, Columns& w) { at(k, w.lo, w.hi); }
+#endif
+};
+
 
 // Dequantizes blocks [b0, b1) of one panel into out[(b - b0) * 32 + k][16].
 template <class Record>
@@ -179,8 +350,8 @@ void dequantize(const uint8_t* panel, int64_t b0, int64_t b1, float* out, const 
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* bytes = panel + b * Record::kBytes;
     prefetch_ahead(bytes, Record::kBytes, end);
-    const Record record(bytes);
-    for (int64_t k = 0; k < kBlock; ++k, out += kPanel) {
+    Record record(bytes);
+    for (int64_t k = 0; k < Record::kDepth; ++k, out += kPanel) {
 #if defined(__AVX512F__)
       __m512 w;
       record.at(k, w);
@@ -203,12 +374,12 @@ struct QuantizedPanel {
   Record record;
   template <class... Vectors>
   void at(int64_t k, Vectors&... w) {
-    if (k % kBlock == 0) {
-      const uint8_t* bytes = panel + k / kBlock * Record::kBytes;
+    if (k % Record::kDepth == 0) {
+      const uint8_t* bytes = panel + k / Record::kDepth * Record::kBytes;
       prefetch_ahead(bytes, Record::kBytes, end);
       record = Record(bytes);
     }
-    record.at(k % kBlock, w...);
+    record.at(k % Record::kDepth, w...);
   }
 };
 
@@ -220,7 +391,7 @@ template <class Record, int R>
 void fused_row_block(const float* x, int64_t ldx, const uint8_t* panel, int64_t blocks,
                      float* out, int64_t ld, const float* init, const uint8_t* end) {
   QuantizedPanel<Record> weights{panel, end, Record(panel)};
-  pipellm_kernels::row_block_of<R>(x, ldx, weights, 0, blocks * kBlock, out, ld, false, init);
+  pipellm_kernels::row_block_of<R>(x, ldx, weights, 0, blocks * Record::kDepth, out, ld, false, init);
 }
 
 using FusedRowBlockFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t,
@@ -255,10 +426,10 @@ void fused_panels(const float* x, int64_t ldx, const uint8_t* wp, int64_t panel_
 #define RECORD(unused, p)                                                             \
   const uint8_t* bytes##p = wp + (p0 + (NP > p ? p : 0)) * panel_bytes + b * Record::kBytes; \
   if (NP > p) prefetch_ahead(bytes##p, Record::kBytes, end);                          \
-  const Record record##p(bytes##p);
+  Record record##p(bytes##p);
     FOR_PANELS(RECORD, 0)
-    const float* xk = x + b * kBlock;
-    for (int64_t k = 0; k < kBlock; ++k, ++xk) {
+    const float* xk = x + b * Record::kDepth;
+    for (int64_t k = 0; k < Record::kDepth; ++k, ++xk) {
 #define STEP(unused, p)                          \
   if (NP > p) {                                  \
     Columns w;                                   \
@@ -290,32 +461,32 @@ constexpr FusedPanelsFn kFusedPanels[2][kPanelsAtOnce] = {
     {fused_panels<Record, 2, 1>, fused_panels<Record, 2, 2>, fused_panels<Record, 2, 3>,
      fused_panels<Record, 2, 4>}};
 
-at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
-                            const std::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantized_linear: kind 0 (Q4_1) or 1 (Q8_0)");
+template <class Record>
+at::Tensor quantized_linear_of(const at::Tensor& input, const at::Tensor& packed,
+                               const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == record_bytes(kind) &&
-                  packed.size(1) * kBlock == input.size(1),
+                  packed.size(2) == Record::kBytes &&
+                  packed.size(1) * Record::kDepth == input.size(1),
               "quantized_linear: weight not packed by gguf_linear for this in_features and kind");
   const int64_t panels = packed.size(0), m = input.size(0), depth = input.size(1);
+  const int64_t blocks = depth / Record::kDepth;
   const at::Tensor x = input.contiguous();
   PanelOutput y(m, out_features, panels, bias, x.options());
   if (y.empty()) return y.finish();
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const int64_t panel_bytes = packed.size(1) * record_bytes(kind);
-  const auto dequantize_slice = kind == kQ4_1 ? dequantize<Q4_1Record> : dequantize<Q8_0Record>;
-  const FusedRowBlockFn* fused =
-      kind == kQ4_1 ? kFusedRowBlock<Q4_1Record>.data() : kFusedRowBlock<Q8_0Record>.data();
+  const int64_t panel_bytes = blocks * Record::kBytes;
   const uint8_t* end = wp + panels * panel_bytes;
+  static_assert(kSliceDepth % Record::kDepth == 0);
   at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
     alignas(64) float slice[kSliceDepth * kPanel];
     // Dequantizes depth [k0, k0 + kSliceDepth) of panel p, then runs rows [m0, m1) on it.
     auto panel_slice = [&](int64_t p, int64_t k0, int64_t m0, int64_t m1) {
       const int64_t k1 = std::min(depth, k0 + kSliceDepth);
-      dequantize_slice(wp + p * panel_bytes, k0 / kBlock, k1 / kBlock, slice, end);
+      dequantize<Record>(wp + p * panel_bytes, k0 / Record::kDepth, k1 / Record::kDepth, slice,
+                         end);
       float* dst = y.dst(p);
       const int64_t ld = y.ld(p);
       for_each_row_block(m0, m1, [&](int64_t r, int64_t rows) {
@@ -324,17 +495,16 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
       });
     };
     if (m <= 2) {  // one or two rows: several panels' dependent FMA chains side by side
-      const auto& by_panels = kind == kQ4_1 ? kFusedPanels<Q4_1Record> : kFusedPanels<Q8_0Record>;
       for (int64_t p = first; p < last; p += kPanelsAtOnce) {
         const int64_t np = std::min<int64_t>(kPanelsAtOnce, last - p);
-        by_panels[m - 1][np - 1](xp, depth, wp, panel_bytes, p, depth / kBlock, y, end);
+        kFusedPanels<Record>[m - 1][np - 1](xp, depth, wp, panel_bytes, p, blocks, y, end);
       }
       return;
     }
     if (m <= kFusedRows) {  // a few rows: the weights dequantized in registers
       for (int64_t p = first; p < last; ++p)
-        fused[m](xp, depth, wp + p * panel_bytes, depth / kBlock, y.dst(p), y.ld(p), y.bias(p),
-                 end);
+        kFusedRowBlock<Record>[m](xp, depth, wp + p * panel_bytes, blocks, y.dst(p), y.ld(p),
+                                  y.bias(p), end);
       return;
     }
     if (m <= 64) {  // decode sizes: one pass over the weights, each panel front to back
@@ -346,6 +516,20 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
     for_each_slice_pass(m, depth, kRowsBlock, kSliceDepth, first, last, panel_slice);
   });
   return y.finish();
+}
+
+at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
+                            const std::optional<at::Tensor>& bias, int64_t out_features) {
+  switch (kind) {
+    case kQ4_1: return quantized_linear_of<Q4_1Record>(input, packed, bias, out_features);
+    case kQ8_0: return quantized_linear_of<Q8_0Record>(input, packed, bias, out_features);
+    case kQ5_0: return quantized_linear_of<Q5_0Record>(input, packed, bias, out_features);
+    case kQ6_K: return quantized_linear_of<Q6_KRecord>(input, packed, bias, out_features);
+    case kQ4_K: return quantized_linear_of<Q4_KRecord>(input, packed, bias, out_features);
+    default:
+      TORCH_CHECK(false, "quantized_linear: kind 0 (Q4_1), 1 (Q8_0), 2 (Q5_0), 3 (Q6_K) or ",
+                  "4 (Q4_K), not ", kind);
+  }
 }
 
 }  // namespace

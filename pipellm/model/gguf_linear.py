@@ -2,14 +2,18 @@
 
 A decode step streams every weight once, so on a CPU its time is the weights' bytes over the
 memory bandwidth. Kept at 2.6-8.5 bits a weight instead of 32, the stream is 4-12x smaller.
-Q4_1 and Q8_0 matrices are repacked at load for their own kernel
-(pipellm/kernels/quantized_linear.cpp); every other type the kernels take (GGUF_KERNEL_TYPES)
-computes on the file's row-major blocks as they are (pipellm/kernels/gguf_linear.cpp), and a
-fused q/k/v or gate/up whose parts the file stores in different types keeps each part in its
-own type. Both exact kernels are bit-identical to the float32 GEMM on the weights `gguf`
-dequantizes (see their headers for why), so the model computes exactly the same numbers, only
-faster; with int8 activations (`quantization="gguf_int8"`) x is rounded to 8 bits per 32
-values, as llama.cpp's dot products do.
+Q4_1, Q8_0, Q5_0, Q4_K and Q6_K matrices (the types of llama.cpp's Q4_0/Q4_K_M/Q6_K mixes but
+Q4_0) are repacked at load into panels of 16 interleaved rows for the exact kernel
+(pipellm/kernels/quantized_linear.cpp; Q4_1 and Q8_0 also for the int8 one), at their file size
+(Q4_K 3% more: its 6-bit scales unpacked); a fused q/k/v of Q5_0 and Q8_0 parts is widened to
+Q8_0 (the same products). Every other type the kernels take (GGUF_KERNEL_TYPES), and every
+type under int8 activations but Q4_1/Q8_0, computes on the file's row-major blocks as they are
+(pipellm/kernels/gguf_linear.cpp), and a fused q/k/v or gate/up whose parts the file stores in
+other mixes of types keeps each part in its own type. Both exact kernels are bit-identical to
+the float32 GEMM on the weights `gguf` dequantizes (see their headers for why), so the model
+computes exactly the same numbers, only faster; with int8 activations
+(`quantization="gguf_int8"`) x is rounded to 8 bits per 32 values, as llama.cpp's dot products
+do.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from pipellm.kernels.cpu_kernels import ops
 
 PANEL = 16  # output columns per panel, as in the kernel
 BLOCK = 32  # input rows per GGUF block
-# GGUF type -> the repacking kernel's `kind` argument (quantized_linear.cpp, int8_linear.cpp).
-KERNEL_KINDS = {GGMLQuantizationType.Q4_1: 0, GGMLQuantizationType.Q8_0: 1}
 _T = GGMLQuantizationType
+# GGUF type -> the repacking kernels' `kind` argument (quantized_linear.cpp, int8_linear.cpp).
+KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
+# The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
+# mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
+# So do Q6_K and Q4_K (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
+EXACT_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q6_K: 3, _T.Q4_K: 4}
 # Every type the GGUF kernels take as stored (gguf_type_table.cpp; a test checks the two agree).
 GGUF_KERNEL_TYPES = frozenset(
     {
@@ -115,11 +123,43 @@ def _float16(pairs: torch.Tensor) -> torch.Tensor:
     return pairs.contiguous().view(torch.float16).squeeze(-1)
 
 
+def _q5_0_quants(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks [rows, blocks, 22] -> their unsigned 5-bit q [rows, blocks, 32] (uint8):
+    value j's low nibble in byte 6 + j % 16 (high nibble from j = 16 on), its fifth bit as
+    bit j of the 32-bit word at byte 2 (w = d (q - 16))."""
+    packed = blocks[..., 6:22]
+    low = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    word = blocks[..., 2:6].contiguous().view(torch.int32)  # [rows, blocks, 1]
+    fifth = (word >> torch.arange(32, dtype=torch.int32)) & 1
+    return low | (fifth.to(torch.uint8) << 4)
+
+
+def widen_q5_0_to_q8_0(weight: QuantizedWeight) -> QuantizedWeight:
+    """The same weights as Q8_0 blocks (d and q - 16 as int8): bit-identical once dequantized
+    (both are one exact product d q), so a Q5_0 part can join a Q8_0 one in one kernel."""
+    rows = weight.blocks.shape[0]
+    blocks = weight.blocks.view(rows, weight.in_features // BLOCK, -1)
+    q = (_q5_0_quants(blocks).to(torch.int16) - 16).to(torch.int8).view(torch.uint8)
+    return QuantizedWeight(_T.Q8_0, torch.cat([blocks[..., 0:2], q], dim=-1).reshape(rows, -1))
+
+
+def exact_repacked_weight(weight: GgufWeight) -> QuantizedWeight | None:
+    """The weight as one type the exact repacked kernel takes, or None: a fused q/k/v whose
+    parts are Q5_0 and Q8_0 (llama.cpp's Q4_K_M gives v a wider type) becomes Q8_0."""
+    if isinstance(weight, QuantizedWeight):
+        return weight if weight.kind in EXACT_KERNEL_KINDS else None
+    kinds = {part.kind for part in weight.parts}
+    if kinds <= {_T.Q5_0, _T.Q8_0}:
+        widened = [widen_q5_0_to_q8_0(p) if p.kind == _T.Q5_0 else p for p in weight.parts]
+        return QuantizedWeight(_T.Q8_0, torch.cat([part.blocks for part in widened]))
+    return None
+
+
 def _by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(scales, mins or None, quants) of the weight by panel of 16 output columns and 32-row
     block: float16 [panels, blocks, 16] twice, then [panels, blocks, 32 (depth), 16 (column)]
-    (uint8 0..15 for Q4_1, int8 for Q8_0). Padded columns get zero scales and mins: they come
-    out 0."""
+    (uint8 0..15 for Q4_1, 0..31 for Q5_0, int8 for Q8_0). Padded columns get zero scales and
+    mins: they come out 0."""
     rows = weight.blocks.shape[0]
     num_blocks = weight.in_features // BLOCK
     blocks = weight.blocks.view(rows, num_blocks, -1)
@@ -138,6 +178,8 @@ def _by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | No
         packed_q = blocks[..., 4:20]  # value i in the low nibble of byte i, i + 16 in the high
         q = torch.cat([packed_q & 0x0F, packed_q >> 4], dim=-1)  # [rows, blocks, 32]
         return scales, mins, by_panel(q)
+    if weight.kind == GGMLQuantizationType.Q5_0:
+        return scales, None, by_panel(_q5_0_quants(blocks))
     return scales, None, by_panel(blocks[..., 2:34].contiguous().view(torch.int8))
 
 
@@ -150,14 +192,84 @@ def _records(*parts: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _panel_major(values: torch.Tensor) -> torch.Tensor:
+    """[rows, *rest] -> [panels, *rest, 16]: each panel's 16 rows last, zero-padded."""
+    rows = values.shape[0]
+    panels = -(-rows // PANEL)
+    values = torch.cat([values, values.new_zeros(panels * PANEL - rows, *values.shape[1:])])
+    return values.view(panels, PANEL, *values.shape[1:]).movedim(1, -1).contiguous()
+
+
+def _bit_words(bits: torch.Tensor) -> torch.Tensor:
+    """[..., 16] of 0/1 -> [..., 1] int16 words, bit j from element j."""
+    words = (bits.to(torch.int32) << torch.arange(PANEL, dtype=torch.int32)).sum(-1, True)
+    return words.to(torch.int16)
+
+
+def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q6_K for the exact kernel (quantized_linear.cpp's Q6_KRecord): [panels, blocks of 256,
+    record]; per record 16 float16 d, 16 x 16 int8 scales (sub-block, column), per depth 8
+    bytes of nibble pairs, then per 4 depths 16 bytes of high bits (column j's in byte j)."""
+    rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
+    blocks = weight.blocks.view(rows, num_blocks, 210)
+    # Value 128 h + 32 g + j: nibble of ql byte 64 h + 32 (g % 2) + j (the high one for g >= 2),
+    # high bits (qh byte 32 h + j) >> 2 g (gguf/quants.py's Q6_K).
+    ql = blocks[..., :128].reshape(rows, num_blocks, 2, 2, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=3)
+    qh = blocks[..., 128:192].reshape(rows, num_blocks, 2, 1, 32)
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    q = _panel_major((low | (high << 4)).reshape(rows, num_blocks, 256))  # [P, B, 256, 16]
+    scales = _panel_major(blocks[..., 192:208].contiguous().view(torch.int8))  # [P, B, 16, 16]
+    d = _panel_major(_float16(blocks[..., 208:210]))  # [P, B, 16]
+    nibbles = q & 0x0F
+    pairs = nibbles[..., :8] | (nibbles[..., 8:] << 4)
+    panels = q.shape[0]
+    high = (q >> 4).view(panels, num_blocks, 64, 4, PANEL)  # depth 4 i + t
+    packed_high = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4)
+    packed_high |= high[:, :, :, 3] << 6
+    return _records(d, scales, pairs, packed_high)
+
+
+def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q4_K for the exact kernel (quantized_linear.cpp's Q4_KRecord): [panels, blocks of 256,
+    record]; per record 16 float16 d, 16 dmin, 8 x 16 scales and 8 x 16 mins (sub-block,
+    column; uint8), then per depth 8 bytes of nibble pairs."""
+    rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
+    blocks = weight.blocks.view(rows, num_blocks, 144)
+    # Value 64 c + 32 h + j: nibble h of byte 16 + 32 c + j; sub-block 2 c + h's 6-bit scale
+    # and min from the 12 bytes at 4 (gguf/quants.py's Q4_K).
+    qs = blocks[..., 16:144].reshape(rows, num_blocks, 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, num_blocks, 256)
+    packed = blocks[..., 4:16]
+    first, last = packed[..., 0:4], packed[..., 8:12]
+    scales = torch.cat([first & 63, (last & 0x0F) | ((first >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([packed[..., 4:8] & 63, (last >> 4) | ((packed[..., 4:8] >> 2) & 0x30)], -1)
+    nibbles = _panel_major(q)  # [P, B, 256, 16]
+    return _records(
+        _panel_major(_float16(blocks[..., 0:2])),
+        _panel_major(_float16(blocks[..., 2:4])),
+        _panel_major(scales),
+        _panel_major(mins),
+        nibbles[..., :8] | (nibbles[..., 8:] << 4),
+    )
+
+
 def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
     """The exact kernel's layout: [panels, in_features / 32, record] uint8, one record per
     panel of 16 output columns and 32-row block (see pipellm/kernels/quantized_linear.cpp).
     Scales (and mins) stay float16, as in the file: the kernel widens them exactly (F16C)."""
+    if weight.kind == GGMLQuantizationType.Q6_K:
+        return pack_q6_k_weight(weight)
+    if weight.kind == GGMLQuantizationType.Q4_K:
+        return pack_q4_k_weight(weight)
     scales, mins, q = _by_panels(weight)
     if mins is not None:
         pairs = q[..., :8] | (q[..., 8:] << 4)  # byte j: column j low, column j + 8 high
         return _records(scales, mins, pairs)
+    if weight.kind == GGMLQuantizationType.Q5_0:  # Q4_1's nibble pairs, then fifth bits
+        low = q & 0x0F
+        pairs = low[..., :8] | (low[..., 8:] << 4)
+        return _records(scales, pairs, _bit_words(q >> 4))
     return _records(scales, q)
 
 
@@ -198,10 +310,15 @@ class QuantizedLinear(nn.Module):
         self.kind = weight.kind
         self.int8_activations = int8_activations and has_int8_path(weight)
         kernels = ops(level)
-        # Q4_1 and Q8_0 alone take their repacked kernels; everything else the stored blocks.
-        self.repacked = isinstance(weight, QuantizedWeight) and weight.kind in KERNEL_KINDS
-        if self.repacked:
-            self.kernel_kind = KERNEL_KINDS[weight.kind]
+        # Q4_1 and Q8_0 (and Q5_0 on the exact path) take their repacked kernels; everything
+        # else the stored blocks.
+        repacked = None if self.int8_activations else exact_repacked_weight(weight)
+        if self.int8_activations and isinstance(weight, QuantizedWeight):
+            repacked = weight if weight.kind in KERNEL_KINDS else None
+        self.repacked = repacked is not None
+        if repacked is not None:
+            weight = repacked
+            self.kernel_kind = EXACT_KERNEL_KINDS[weight.kind]
             if self.int8_activations:
                 self.packed_weight = pack_int8_weight(weight)
                 self.linear_op = kernels.quantized_linear_int8
