@@ -10,8 +10,13 @@ prefix, best of --repeats; then a least-squares fit of
 and attention_slowdown = (b / a) / (4 q_dim / (2 P_layer)). Prints the table, the fit, its
 residuals and what cost-balanced chunks of a 128-token budget look like along a long prompt.
 
+Then what chunking costs a whole prompt: one --whole-prompt-token prompt in one forward
+against the same prompt in chunks of each --chunked size (each chunk one forward after the
+ones before), best of --repeats each, with the ratio chunked / whole.
+
   .venv/bin/python benchmarks/chunk_cost.py \
-      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256]
+      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256] \
+      [--whole-prompt 2048 --chunked 128,256,512]
 """
 
 from __future__ import annotations
@@ -47,6 +52,29 @@ def time_chunk(executor: UniProcExecutor, config: EngineConfig, prefix: int, siz
     return time.perf_counter() - started
 
 
+def compare_whole_and_chunked(
+    executor: UniProcExecutor, config: EngineConfig, args: argparse.Namespace
+) -> None:
+    """One prompt whole against the same prompt in fixed-size chunks: what the chunked
+    pipeline pays per prompt for its overlap (per-forward overhead, weights read per chunk,
+    attention over the cached prefix)."""
+    length = args.whole_prompt
+    whole = min(time_chunk(executor, config, 0, length) for _ in range(args.repeats))
+    print(f"{length}-token prompt whole: {whole * 1e3:8.1f} ms")
+    for size in [int(x) for x in args.chunked.split(",")]:
+        starts = range(0, length, size)
+        per_chunk = [
+            min(time_chunk(executor, config, p, min(size, length - p)) for _ in range(args.repeats))
+            for p in starts
+        ]
+        total = sum(per_chunk)
+        print(
+            f"in chunks of {size:4d}: {total * 1e3:8.1f} ms = {total / whole:.2f}x whole; "
+            f"first chunk {per_chunk[0] * 1e3:.1f} ms, last {per_chunk[-1] * 1e3:.1f} ms",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the built-in SmolLM2")
@@ -54,17 +82,23 @@ def main() -> None:
     parser.add_argument("--sizes", default="16,32,64,128,256")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--whole-prompt", type=int, default=2048, help="0: skip the comparison")
+    parser.add_argument("--chunked", default="128,256,512", help="chunk sizes to compare")
     args = parser.parse_args()
-    prefixes = [int(x) for x in args.prefixes.split(",")]
+    prefixes = [int(x) for x in args.prefixes.split(",")] if args.prefixes else []
     sizes = [int(x) for x in args.sizes.split(",")]
     config = EngineConfig(
         model=args.model,
         num_threads=args.threads,
-        max_model_len=max(prefixes) + max(sizes) + 16,
+        max_model_len=max([*prefixes, 0]) + max(sizes) + args.whole_prompt + 16,
         distributed_executor_backend="uni",
     )
     executor = UniProcExecutor(config)
     time_chunk(executor, config, 0, 64)  # warm-up: first-touch of buffers and the KV cache
+    if args.whole_prompt:
+        compare_whole_and_chunked(executor, config, args)
+    if not prefixes:
+        return
     rows = []
     for prefix in prefixes:
         for size in sizes:
