@@ -99,6 +99,7 @@ def main() -> None:
         f"\nP = 2, {args.num_prompts} prompts at concurrency 8, medians of {args.rounds} "
         f"round(s); results in {out}"
     )
+    incomplete = []
     for input_len in input_lens:
         print(f"\n{input_len} -> {OUTPUT_LEN} tokens")
         print(f"{'configuration':<22} {'req/s':>8} {'mean TTFT ms':>13} {'completed':>10}")
@@ -108,6 +109,8 @@ def main() -> None:
             rate = statistics.median(r["request_throughput"] for r in runs)
             ttft = statistics.median(r["mean_ttft_ms"] for r in runs)
             done = min(r["completed"] for r in runs)
+            if done < args.num_prompts:
+                incomplete.append(f"{setup} at {input_len} tokens: {done}/{args.num_prompts}")
             figures[setup] = (rate, ttft)
             print(f"{setup:<22} {rate:>8.4f} {ttft:>13.0f} {done:>6}/{args.num_prompts}")
         for fixed, broken in [
@@ -121,6 +124,9 @@ def main() -> None:
                     f"{fixed} over {broken}: {rate_a / rate_b:.2f}x req/s, "
                     f"mean TTFT {ttft_b / ttft_a:.2f}x better"
                 )
+    if incomplete:
+        # A run that dropped requests measured less work: its ratios mean nothing.
+        sys.exit("requests not completed: " + "; ".join(incomplete))
 
 
 if __name__ == "__main__":
