@@ -10,12 +10,16 @@ prefix, best of --repeats; then a least-squares fit of
 and attention_slowdown = (b / a) / (4 q_dim / (2 P_layer)). Prints the table, the fit, its
 residuals and what cost-balanced chunks of a 128-token budget look like along a long prompt.
 
+With --whole N it first times one N-token prompt computed whole against the same prompt in
+chunks of each --sizes (the chunks' times summed, each after its real prefix), side by side,
+and prints chunked / whole: what a prompt pays for being cut into micro-batches.
+
 Then what chunking costs a whole prompt: one --whole-prompt-token prompt in one forward
 against the same prompt in chunks of each --chunked size (each chunk one forward after the
 ones before), best of --repeats each, with the ratio chunked / whole.
 
   .venv/bin/python benchmarks/chunk_cost.py \
-      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256] \
+      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256] [--whole 2048] \
       [--whole-prompt 2048 --chunked 128,256,512]
 """
 
@@ -75,6 +79,27 @@ def compare_whole_and_chunked(
         )
 
 
+def compare_whole(
+    executor: UniProcExecutor, config: EngineConfig, length: int, sizes: list[int], repeats: int
+) -> None:
+    """One prompt whole against the same prompt in chunks, taking turns, best of `repeats`."""
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for size in [length, *sizes]:
+            took = sum(
+                time_chunk(executor, config, prefix, min(size, length - prefix))
+                for prefix in range(0, length, size)
+            )
+            best[size] = min(best.get(size, took), took)
+    print(f"one {length}-token prompt: whole {best[length] * 1e3:.0f} ms")
+    for size in sizes:
+        print(
+            f"  in {size:4d}-token chunks: {best[size] * 1e3:7.0f} ms "
+            f"({best[size] / best[length]:.2f}x whole)",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the built-in SmolLM2")
@@ -95,6 +120,8 @@ def main() -> None:
     )
     executor = UniProcExecutor(config)
     time_chunk(executor, config, 0, 64)  # warm-up: first-touch of buffers and the KV cache
+    if args.whole:
+        compare_whole(executor, config, args.whole, sizes, args.repeats)
     if args.whole_prompt:
         compare_whole_and_chunked(executor, config, args)
     if not prefixes:
