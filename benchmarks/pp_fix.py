@@ -8,6 +8,8 @@ random dataset, INPUT -> 32 tokens, concurrency 8), as vLLM's issue ran `vllm be
   balanced+blocking        --pp-blocking-loop: the engine waits for each micro-batch's result
                            before scheduling the next (second half off)
   no-balance+blocking      both off: vLLM before the fix
+  balanced+cost            --pp-chunk-sizing cost: chunk sizes from the chunk-cost model
+                           (pipellm/engine/chunk_cost.py); not run unless named in --setups
 
 Configurations take turns (every input length, every configuration, then again for each
 --rounds), so machine noise hits all alike. Prints each run's `bench serve` table, then per
@@ -33,7 +35,9 @@ SETUPS = {
     "no-balance": ["--no-pp-balance"],
     "balanced+blocking": ["--pp-blocking-loop"],
     "no-balance+blocking": ["--no-pp-balance", "--pp-blocking-loop"],
+    "balanced+cost": ["--pp-chunk-sizing", "cost"],
 }
+DEFAULT_SETUPS = ["balanced", "no-balance", "balanced+blocking", "no-balance+blocking"]
 OUTPUT_LEN = 32
 
 
@@ -74,7 +78,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-warmups", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset")
+    parser.add_argument(
+        "--setups",
+        default=",".join(DEFAULT_SETUPS),
+        help=f"comma-separated, of {', '.join(SETUPS)}",
+    )
     parser.add_argument("--trace", action="store_true", help="write each server's stage trace")
     parser.add_argument("--out", help="results folder (default: a temp dir)")
     args = parser.parse_args()
@@ -117,6 +125,7 @@ def main() -> None:
             ("balanced", "no-balance"),
             ("balanced", "balanced+blocking"),
             ("balanced", "no-balance+blocking"),
+            ("balanced+cost", "no-balance"),
         ]:
             if fixed in figures and broken in figures:
                 (rate_a, ttft_a), (rate_b, ttft_b) = figures[fixed], figures[broken]
