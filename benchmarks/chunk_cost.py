@@ -14,13 +14,10 @@ With --whole N it first times one N-token prompt computed whole against the same
 chunks of each --sizes (the chunks' times summed, each after its real prefix), side by side,
 and prints chunked / whole: what a prompt pays for being cut into micro-batches.
 
-Then what chunking costs a whole prompt: one --whole-prompt-token prompt in one forward
-against the same prompt in chunks of each --chunked size (each chunk one forward after the
-ones before), best of --repeats each, with the ratio chunked / whole.
+--prefixes '' skips the fit (only the comparison).
 
   .venv/bin/python benchmarks/chunk_cost.py \
-      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256] [--whole 2048] \
-      [--whole-prompt 2048 --chunked 128,256,512]
+      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256] [--whole 2048]
 """
 
 from __future__ import annotations
@@ -56,29 +53,6 @@ def time_chunk(executor: UniProcExecutor, config: EngineConfig, prefix: int, siz
     return time.perf_counter() - started
 
 
-def compare_whole_and_chunked(
-    executor: UniProcExecutor, config: EngineConfig, args: argparse.Namespace
-) -> None:
-    """One prompt whole against the same prompt in fixed-size chunks: what the chunked
-    pipeline pays per prompt for its overlap (per-forward overhead, weights read per chunk,
-    attention over the cached prefix)."""
-    length = args.whole_prompt
-    whole = min(time_chunk(executor, config, 0, length) for _ in range(args.repeats))
-    print(f"{length}-token prompt whole: {whole * 1e3:8.1f} ms")
-    for size in [int(x) for x in args.chunked.split(",")]:
-        starts = range(0, length, size)
-        per_chunk = [
-            min(time_chunk(executor, config, p, min(size, length - p)) for _ in range(args.repeats))
-            for p in starts
-        ]
-        total = sum(per_chunk)
-        print(
-            f"in chunks of {size:4d}: {total * 1e3:8.1f} ms = {total / whole:.2f}x whole; "
-            f"first chunk {per_chunk[0] * 1e3:.1f} ms, last {per_chunk[-1] * 1e3:.1f} ms",
-            flush=True,
-        )
-
-
 def compare_whole(
     executor: UniProcExecutor, config: EngineConfig, length: int, sizes: list[int], repeats: int
 ) -> None:
@@ -107,23 +81,20 @@ def main() -> None:
     parser.add_argument("--sizes", default="16,32,64,128,256")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--whole-prompt", type=int, default=2048, help="0: skip the comparison")
-    parser.add_argument("--chunked", default="128,256,512", help="chunk sizes to compare")
+    parser.add_argument("--whole", type=int, default=0, help="prompt length to compare (0: none)")
     args = parser.parse_args()
     prefixes = [int(x) for x in args.prefixes.split(",")] if args.prefixes else []
     sizes = [int(x) for x in args.sizes.split(",")]
     config = EngineConfig(
         model=args.model,
         num_threads=args.threads,
-        max_model_len=max([*prefixes, 0]) + max(sizes) + args.whole_prompt + 16,
+        max_model_len=max([*prefixes, 0]) + max(sizes) + args.whole + 16,
         distributed_executor_backend="uni",
     )
     executor = UniProcExecutor(config)
     time_chunk(executor, config, 0, 64)  # warm-up: first-touch of buffers and the KV cache
     if args.whole:
         compare_whole(executor, config, args.whole, sizes, args.repeats)
-    if args.whole_prompt:
-        compare_whole_and_chunked(executor, config, args)
     if not prefixes:
         return
     rows = []
