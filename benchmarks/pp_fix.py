@@ -8,6 +8,8 @@ random dataset, INPUT -> 32 tokens, concurrency 8), as vLLM's issue ran `vllm be
   balanced+blocking        --pp-blocking-loop: the engine waits for each micro-batch's result
                            before scheduling the next (second half off)
   no-balance+blocking      both off: vLLM before the fix
+  balanced+cost            --pp-chunk-sizing cost: chunk sizes from the chunk-cost model
+                           (pipellm/engine/chunk_cost.py); not run unless named in --setups
 
 Configurations take turns (every input length, every configuration, then again for each
 --rounds), so machine noise hits all alike. Prints each run's `bench serve` table, then per
@@ -33,7 +35,9 @@ SETUPS = {
     "no-balance": ["--no-pp-balance"],
     "balanced+blocking": ["--pp-blocking-loop"],
     "no-balance+blocking": ["--no-pp-balance", "--pp-blocking-loop"],
+    "balanced+cost": ["--pp-chunk-sizing", "cost"],
 }
+DEFAULT_SETUPS = ["balanced", "no-balance", "balanced+blocking", "no-balance+blocking"]
 OUTPUT_LEN = 32
 
 
@@ -74,7 +78,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-warmups", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset")
+    parser.add_argument(
+        "--setups",
+        default=",".join(DEFAULT_SETUPS),
+        help=f"comma-separated, of {', '.join(SETUPS)}",
+    )
     parser.add_argument("--trace", action="store_true", help="write each server's stage trace")
     parser.add_argument("--out", help="results folder (default: a temp dir)")
     args = parser.parse_args()
@@ -99,6 +107,7 @@ def main() -> None:
         f"\nP = 2, {args.num_prompts} prompts at concurrency 8, medians of {args.rounds} "
         f"round(s); results in {out}"
     )
+    incomplete = []
     for input_len in input_lens:
         print(f"\n{input_len} -> {OUTPUT_LEN} tokens")
         print(f"{'configuration':<22} {'req/s':>8} {'mean TTFT ms':>13} {'completed':>10}")
@@ -108,12 +117,15 @@ def main() -> None:
             rate = statistics.median(r["request_throughput"] for r in runs)
             ttft = statistics.median(r["mean_ttft_ms"] for r in runs)
             done = min(r["completed"] for r in runs)
+            if done < args.num_prompts:
+                incomplete.append(f"{setup} at {input_len} tokens: {done}/{args.num_prompts}")
             figures[setup] = (rate, ttft)
             print(f"{setup:<22} {rate:>8.4f} {ttft:>13.0f} {done:>6}/{args.num_prompts}")
         for fixed, broken in [
             ("balanced", "no-balance"),
             ("balanced", "balanced+blocking"),
             ("balanced", "no-balance+blocking"),
+            ("balanced+cost", "no-balance"),
         ]:
             if fixed in figures and broken in figures:
                 (rate_a, ttft_a), (rate_b, ttft_b) = figures[fixed], figures[broken]
@@ -121,6 +133,9 @@ def main() -> None:
                     f"{fixed} over {broken}: {rate_a / rate_b:.2f}x req/s, "
                     f"mean TTFT {ttft_b / ttft_a:.2f}x better"
                 )
+    if incomplete:
+        # A run that dropped requests measured less work: its ratios mean nothing.
+        sys.exit("requests not completed: " + "; ".join(incomplete))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,14 @@ prefix, best of --repeats; then a least-squares fit of
 and attention_slowdown = (b / a) / (4 q_dim / (2 P_layer)). Prints the table, the fit, its
 residuals and what cost-balanced chunks of a 128-token budget look like along a long prompt.
 
+With --whole N it first times one N-token prompt computed whole against the same prompt in
+chunks of each --sizes (the chunks' times summed, each after its real prefix), side by side,
+and prints chunked / whole: what a prompt pays for being cut into micro-batches.
+
+--prefixes '' skips the fit (only the comparison).
+
   .venv/bin/python benchmarks/prompt_chunk_times.py \
-      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256]
+      [--prefixes 0,512,1024,1536,1920 --sizes 16,32,64,128,256] [--whole 2048]
 """
 
 from __future__ import annotations
@@ -47,6 +53,27 @@ def time_chunk(executor: UniProcExecutor, config: EngineConfig, prefix: int, siz
     return time.perf_counter() - started
 
 
+def compare_whole(
+    executor: UniProcExecutor, config: EngineConfig, length: int, sizes: list[int], repeats: int
+) -> None:
+    """One prompt whole against the same prompt in chunks, taking turns, best of `repeats`."""
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for size in [length, *sizes]:
+            took = sum(
+                time_chunk(executor, config, prefix, min(size, length - prefix))
+                for prefix in range(0, length, size)
+            )
+            best[size] = min(best.get(size, took), took)
+    print(f"one {length}-token prompt: whole {best[length] * 1e3:.0f} ms")
+    for size in sizes:
+        print(
+            f"  in {size:4d}-token chunks: {best[size] * 1e3:7.0f} ms "
+            f"({best[size] / best[length]:.2f}x whole)",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the built-in SmolLM2")
@@ -54,17 +81,22 @@ def main() -> None:
     parser.add_argument("--sizes", default="16,32,64,128,256")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--whole", type=int, default=0, help="prompt length to compare (0: none)")
     args = parser.parse_args()
-    prefixes = [int(x) for x in args.prefixes.split(",")]
+    prefixes = [int(x) for x in args.prefixes.split(",")] if args.prefixes else []
     sizes = [int(x) for x in args.sizes.split(",")]
     config = EngineConfig(
         model=args.model,
         num_threads=args.threads,
-        max_model_len=max(prefixes) + max(sizes) + 16,
+        max_model_len=max([*prefixes, 0]) + max(sizes) + args.whole + 16,
         distributed_executor_backend="uni",
     )
     executor = UniProcExecutor(config)
     time_chunk(executor, config, 0, 64)  # warm-up: first-touch of buffers and the KV cache
+    if args.whole:
+        compare_whole(executor, config, args.whole, sizes, args.repeats)
+    if not prefixes:
+        return
     rows = []
     for prefix in prefixes:
         for size in sizes:

@@ -173,18 +173,28 @@ def five_layers(tmp_path_factory):
     return directory, prompts, expected
 
 
+# "cost": chunk sizes from the chunk-cost model (uneven, shrinking along a prompt; the tiny
+# model's attention is a large share of its cost, so they shrink fast).
 @pytest.mark.parametrize(
-    "stages, balance, chunked_pipeline",
-    [(1, True, True), (2, True, True), (2, False, True), (3, True, True), (3, True, False)],
+    "stages, balance, chunked_pipeline, chunk_sizing",
+    [
+        (1, True, True, "fixed"),
+        (2, True, True, "fixed"),
+        (2, False, True, "fixed"),
+        (3, True, True, "fixed"),
+        (3, True, False, "fixed"),
+        (2, True, True, "cost"),
+    ],
 )
 def test_same_greedy_tokens_with_the_chunked_pipeline_on_and_off(
-    five_layers, reaped, stages, balance, chunked_pipeline
+    five_layers, reaped, stages, balance, chunked_pipeline, chunk_sizing
 ):
     directory, prompts, expected = five_layers
     engine_args = dict(
         pipeline_parallel_size=stages,
         pp_balance=balance,
         enable_chunked_pipeline=chunked_pipeline,
+        pp_chunk_sizing=chunk_sizing,
         max_num_batched_tokens=24,  # not a multiple of the 16-token block: cuts mid-block
         pp_microbatch_tokens=21,
         max_model_len=256,

@@ -95,6 +95,49 @@ def test_prefill_kernel_with_cached_prefix_matches_masked_sdpa(kernel_ops, prefi
         kernel_ops.prefill_attention(out, q, k, v, 0.125, None, window, prefix + 1)
 
 
+# The same chunk reading its context from a paged cache through a block table (the chunk's own
+# keys already written there), as the model calls it: no gathered copy of the context.
+@pytest.mark.parametrize("window", [0, 50])
+@pytest.mark.parametrize("prefix, length", [(1, 1), (16, 5), (63, 64), (200, 65), (1000, 130)])
+def test_prefill_kernel_reads_paged_cache_through_block_table(kernel_ops, prefix, length, window):
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    generator = torch.Generator().manual_seed(prefix + 7)
+    context = prefix + length
+    needed = -(-context // block_size)
+    num_blocks = needed + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator) * 2
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    # Blocks out of order, and one more in the table than the context needs (as a request's
+    # table may hold): the kernel must follow the table, not the cache's order.
+    table = torch.randperm(num_blocks, generator=generator)[: needed + 1]
+    k = k_cache[table].reshape(-1, kv_heads, head_dim)[:context]
+    v = v_cache[table].reshape(-1, kv_heads, head_dim)[:context]
+    q = torch.randn(length, heads, head_dim, generator=generator) * 2
+    expected = torch.empty(length, heads, head_dim)
+    kernel_ops.prefill_attention(expected, q, k, v, 0.125, None, window, prefix)
+    out = torch.empty(length, heads, head_dim)
+    kernel_ops.prefill_attention(out, q, k_cache, v_cache, 0.125, None, window, prefix, table)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    offsets = torch.arange(prefix, context).unsqueeze(1) - torch.arange(context)
+    mask = (offsets >= 0) & (offsets < (window or context))
+
+    def heads_first(x):
+        return x.transpose(0, 1).unsqueeze(0)
+
+    sdpa = F.scaled_dot_product_attention(
+        heads_first(q), heads_first(k), heads_first(v), attn_mask=mask, scale=0.125, enable_gqa=True
+    )
+    torch.testing.assert_close(out, sdpa.squeeze(0).transpose(0, 1))
+    with pytest.raises(RuntimeError, match="block_table"):
+        kernel_ops.prefill_attention(
+            out, q, k_cache, v_cache, 0.125, None, window, prefix, table[: needed - 1]
+        )
+    with pytest.raises(RuntimeError, match="outside"):
+        bad = table.clone()
+        bad[0] = num_blocks
+        kernel_ops.prefill_attention(out, q, k_cache, v_cache, 0.125, None, window, prefix, bad)
+
+
 def test_prefill_kernel_rejects_bad_shapes(kernel_ops):
     q, k = torch.randn(8, 4, 24), torch.randn(8, 2, 24)
     with pytest.raises(RuntimeError, match="multiple of 16"):

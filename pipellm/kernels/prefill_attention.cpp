@@ -14,6 +14,12 @@
 // (p - window, p] only: a query block
 // packs just the keys its rows can see, so its work grows with the window, not the prompt.
 //
+// A continued chunk reads its context straight from the paged KV cache: with `block_table`,
+// k and v are a layer's [num_blocks, block_size, Hkv, D] caches (the chunk's own keys already
+// written there) and key t lives in block block_table[t / block_size], slot t % block_size.
+// Each task packs the keys it sees anyway, so reading them through the table costs nothing;
+// gathering the whole context into one tensor first was a full extra copy per chunk.
+//
 // Groups may be uneven: `group_starts` (kv_heads + 1 offsets) gives each KV head's run of
 // query heads, e.g. a tensor-parallel rank holding SmolLM2's query heads 0-4 uses KV head 0
 // for 3 of them and KV head 1 for 2 (docs/tensor_parallel.md); without it, H / Hkv each.
@@ -39,21 +45,47 @@ using pipellm_kernels::kRows;
 
 constexpr int64_t kQueryBlock = 64;
 
-// out, q: [L, H, D]; k, v: [prefix + L, Hkv, D]; last dims contiguous, other strides free.
-// Causal: query row r sees keys up to prefix + r.
+// out, q: [L, H, D]; k, v: [prefix + L, Hkv, D], or with block_table the paged caches
+// [num_blocks, block_size, Hkv, D] and block_table [>= ceil((prefix + L) / block_size)] int64;
+// last dims contiguous, other strides free. Causal: query row r sees keys up to prefix + r.
 void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                        const at::Tensor& v, double scale, at::OptionalIntArrayRef group_starts,
-                       int64_t window, int64_t prefix) {
+                       int64_t window, int64_t prefix,
+                       const std::optional<at::Tensor>& block_table) {
+  const bool paged = block_table.has_value();
   for (const at::Tensor* t : {&out, &q, &k, &v})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
-                    t->stride(2) == 1,
-                "prefill_attention: 3-D float32 CPU tensors with a contiguous last dim");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat &&
+                    t->dim() == (paged && (t == &k || t == &v) ? 4 : 3) && t->stride(-1) == 1,
+                "prefill_attention: float32 CPU tensors with a contiguous last dim; q and out "
+                "3-D, k and v 3-D (or 4-D paged caches with a block table)");
   const int64_t len = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t kv_heads = k.size(1);
+  const int64_t kv_heads = k.size(-2);
+  const int64_t context = prefix + len;
   TORCH_CHECK(prefix >= 0, "prefill_attention: negative prefix");
-  TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(0) == prefix + len &&
-                  k.size(2) == head_dim,
+  TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(-1) == head_dim &&
+                  (paged || k.size(0) == context),
               "prefill_attention: shapes do not match");
+  // Token t's row of k (or v): its own row, or its slot in the block the table names.
+  const int64_t block_size = paged ? k.size(1) : 1;
+  std::vector<int64_t> table_blocks;
+  if (paged) {
+    const at::Tensor& table = *block_table;
+    TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.dim() == 1,
+                "prefill_attention: block_table must be a 1-D int64 CPU tensor");
+    const int64_t needed = (context + block_size - 1) / block_size;
+    TORCH_CHECK(table.size(0) >= needed, "prefill_attention: shapes do not match: block_table ",
+                "has ", table.size(0), " blocks, the context of ", context, " needs ", needed);
+    const at::Tensor owned = table.contiguous();
+    table_blocks.assign(owned.data_ptr<int64_t>(), owned.data_ptr<int64_t>() + needed);
+    for (int64_t b : table_blocks)
+      TORCH_CHECK(b >= 0 && b < k.size(0), "prefill_attention: block ", b, " is outside the ",
+                  k.size(0), "-block cache");
+  }
+  auto row_of = [&](const at::Tensor& x, int64_t t, int64_t h) -> int64_t {
+    return paged ? table_blocks[t / block_size] * x.stride(0) + (t % block_size) * x.stride(1) +
+                       h * x.stride(2)
+                 : t * x.stride(0) + h * x.stride(1);
+  };
   const std::vector<int64_t> starts =
       pipellm_kernels::query_group_starts(heads, kv_heads, group_starts, "prefill_attention");
   TORCH_CHECK(head_dim % kPanel == 0, "prefill_attention: head_dim ", head_dim,
@@ -85,8 +117,8 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
       float* vpk = values_packed.data_ptr<float>();
       float* sp = scores.data_ptr<float>();
       for (int64_t t = 0; t < keys; ++t) {
-        const float* kt = kp + (k0 + t) * k.stride(0) + h * k.stride(1);
-        const float* vt = vp + (k0 + t) * v.stride(0) + h * v.stride(1);
+        const float* kt = kp + row_of(k, k0 + t, h);
+        const float* vt = vp + row_of(v, k0 + t, h);
         float* kdst = kpk + (t / kPanel) * head_dim * kPanel + t % kPanel;
         for (int64_t d = 0; d < head_dim; ++d) kdst[d * kPanel] = kt[d];
         for (int64_t c = 0; c < dim_panels; ++c)
@@ -128,6 +160,6 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, "
-      "int[]? group_starts=None, int window=0, int prefix=0) -> ()",
+      "int[]? group_starts=None, int window=0, int prefix=0, Tensor? block_table=None) -> ()",
       &prefill_attention);
 }

@@ -5,10 +5,10 @@ A sliding-window layer (`window` > 0) lets each query see the last `window` posi
 own included, as transformers' and llama.cpp's masks do; its cache still holds every block.
 
 Each layer's cache is a pair of [num_blocks, block_size, kv_heads, head_dim] tensors. Decodes
-use pipellm's own kernel, which reads the cache in place (pipellm/kernels/), where it is built;
-otherwise, and for prefills, reads copy whole blocks (index_select on the block dimension): one
-contiguous block_size * kv_heads * head_dim run per block, measured 3-5x faster than gathering
-token slots one by one.
+and continued prompt chunks use pipellm's own kernels, which read the cache in place through
+the block tables (pipellm/kernels/), where they are built; otherwise reads copy whole blocks
+(index_select on the block dimension): one contiguous block_size * kv_heads * head_dim run
+per block, measured 3-5x faster than gathering token slots one by one.
 """
 
 from __future__ import annotations
@@ -126,6 +126,27 @@ def paged_attention(
         ).squeeze(2)
     for chunk in batch.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
+        # The prompt kernel's GEMM step works on 16-wide panels of the head dimension. A chunk
+        # that continues a prompt reads its cached context through its block table, in place:
+        # gathering the whole context per chunk was an extra copy that grew with the prompt.
+        paged = chunk.block_table is not None
+        if q.shape[-1] % 16 == 0 and kernels_apply(q) and (not paged or k_cache.dtype == q.dtype):
+            if not paged:
+                ops().prefill_attention(out[rows], q[rows], k[rows], v[rows], scale, starts, window)
+            else:
+                prefix = chunk.mask.shape[1] - chunk.length
+                ops().prefill_attention(
+                    out[rows],
+                    q[rows],
+                    k_cache,
+                    v_cache,
+                    scale,
+                    starts,
+                    window,
+                    prefix,
+                    chunk.block_table,
+                )
+            continue
         if chunk.block_table is None:  # nothing cached before: attend to the fresh keys
             keys, values, mask = k[rows], v[rows], None
         else:
@@ -133,13 +154,6 @@ def paged_attention(
             keys = gather_blocks(k_cache, chunk.block_table)[:context_len]
             values = gather_blocks(v_cache, chunk.block_table)[:context_len]
             mask = chunk.mask
-        # The prompt kernel's GEMM step works on 16-wide panels of the head dimension. It takes
-        # a chunk that continues a prompt too (the cached keys first): SDPA with the explicit
-        # mask ran a 128-token chunk after 2000 cached tokens several times slower.
-        if q.shape[-1] % 16 == 0 and kernels_apply(q) and keys.dtype == q.dtype:
-            prefix = keys.shape[0] - chunk.length
-            ops().prefill_attention(out[rows], q[rows], keys, values, scale, starts, window, prefix)
-            continue
         if window:
             in_window = window_mask(chunk.length, keys.shape[0], window)
             mask = in_window if mask is None else mask & in_window
