@@ -116,3 +116,23 @@ def test_split_holds_as_many_long_sequences_in_each_group():
     assert long_sequences >= 4 * (budget // 512)
     (only,) = split_cache(budget, {0: 30}, BS, 8192, 2048)
     assert only == CacheGroup(0, 30, budget)
+
+
+def test_each_stage_plans_its_layers_groups(tmp_path):
+    """Tiny Gemma 3, two stages: the first has only local layers (no full-attention pool), the
+    second two local and the global one; together they hold the split budget."""
+    from pipellm.config import EngineConfig
+    from pipellm.worker.stage_memory import kv_cache_bytes
+    from tests.checkpoints import make_tiny_checkpoint
+
+    directory = make_tiny_checkpoint(tmp_path / "gemma3", arch="gemma3")
+    config = EngineConfig(
+        model=str(directory), pipeline_parallel_size=2, kv_cache_memory=4 << 20, max_model_len=512
+    )
+    full, window = config.kv_cache_groups
+    assert (full.num_layers, window.num_layers) == (1, 5)
+    layer_block = config.kv_bytes_per_block // 6  # one layer's keys and values of one block
+    assert kv_cache_bytes(config, 0) == 3 * window.num_blocks * layer_block
+    assert kv_cache_bytes(config, 1) == (2 * window.num_blocks + full.num_blocks) * layer_block
+    assert kv_cache_bytes(config, 0) + kv_cache_bytes(config, 1) <= 4 << 20
+    assert full.num_blocks >= 512 // 16 and window.num_blocks < full.num_blocks
