@@ -47,6 +47,10 @@ def time_chunk(executor: UniProcExecutor, config: EngineConfig, prefix: int, siz
         new_block_ids=blocks,
         sampling_params=SamplingParams(max_tokens=1),
         sample=False,
+        # Sliding-window groups' smaller pools (0 is their null block): only the time counts.
+        new_group_block_ids=[
+            [1 + b % (g.num_blocks - 1) for b in blocks] for g in config.kv_cache_groups[1:]
+        ],
     )
     started = time.perf_counter()
     executor.submit(SchedulerOutput(0, [item], freed_request_ids=["chunk"])).result()

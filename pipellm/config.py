@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from pipellm.engine.cache_groups import CacheGroup, min_budget_blocks, sequence_blocks, split_cache
 from pipellm.loader.source import ModelSource, load_model_config, resolve_model
 from pipellm.loader.weights import check_gguf_tensor_parallel
 from pipellm.model.model_config import ModelConfig
@@ -275,15 +276,7 @@ class EngineConfig:
                 f"without chunked prefill it must be >= max_model_len ({self.max_model_len}); "
                 "raise it, lower max_model_len, or enable chunked prefill",
             )
-        capacity = self.num_kv_blocks * self.block_size
-        if capacity < self.max_model_len:
-            _fail(
-                "kv_cache_memory",
-                self.kv_cache_memory,
-                f"it holds {capacity} tokens but max_model_len is {self.max_model_len}; "
-                f"give at least {self.max_model_len // self.block_size + 1} blocks of "
-                f"{self.kv_bytes_per_block} bytes, or lower max_model_len",
-            )
+        self._check_kv_capacity()
         kind = rope_type(self.model_config.rope_scaling)
         if kind not in ROPE_TYPES:
             raise ConfigError(
@@ -393,8 +386,62 @@ class EngineConfig:
 
     @property
     def num_kv_blocks(self) -> int:
+        """Blocks of every layer the KV-cache budget buys: the cache without sliding windows,
+        which kv_cache_groups splits between the groups."""
         budget = self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         return budget // self.kv_bytes_per_block
+
+    def _layers_by_window(self) -> dict[int, int]:
+        mc = self.model_config
+        windows = [mc.layer_window(i) for i in range(mc.num_hidden_layers)]
+        return {w: windows.count(w) for w in mc.cache_group_windows}
+
+    @property
+    def kv_cache_groups(self) -> list[CacheGroup]:
+        """The KV-cache groups, full attention first, and each one's blocks
+        (engine/cache_groups.py): one group of num_kv_blocks without sliding windows."""
+        return split_cache(
+            self.num_kv_blocks,
+            self._layers_by_window(),
+            self.block_size,
+            self.max_model_len,
+            self.max_num_batched_tokens,
+        )
+
+    def _check_kv_capacity(self) -> None:
+        """The cache must hold one max_model_len sequence; with sliding windows, in each
+        group's share of the budget (and a window group a prompt chunk besides)."""
+        layers = self._layers_by_window()
+        if len(layers) == 1 and 0 in layers:
+            capacity = self.num_kv_blocks * self.block_size
+            if capacity < self.max_model_len:
+                _fail(
+                    "kv_cache_memory",
+                    self.kv_cache_memory,
+                    f"it holds {capacity} tokens but max_model_len is {self.max_model_len}; "
+                    f"give at least {self.max_model_len // self.block_size + 1} blocks of "
+                    f"{self.kv_bytes_per_block} bytes, or lower max_model_len",
+                )
+            return
+        fits = all(
+            g.num_blocks - (g.window > 0)
+            >= sequence_blocks(
+                g.window, self.block_size, self.max_model_len, self.max_num_batched_tokens
+            )
+            for g in self.kv_cache_groups
+        )
+        if not fits:
+            need = min_budget_blocks(
+                layers, self.block_size, self.max_model_len, self.max_num_batched_tokens
+            )
+            _fail(
+                "kv_cache_memory",
+                self.kv_cache_memory,
+                f"split between the full-attention and sliding-window layers it cannot hold "
+                f"one {self.max_model_len}-token sequence; give at least "
+                f"{(need + 1) * self.kv_bytes_per_block} bytes, or lower max_model_len or "
+                "max_num_batched_tokens",
+            )
 
     @property
     def model_name(self) -> str:

@@ -27,11 +27,13 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the KV cache before this chunk
     num_scheduled_tokens: int
     new_token_ids: list[int]
-    new_block_ids: list[int]
+    new_block_ids: list[int]  # the first KV-cache group's (engine/cache_groups.py)
     # Workers (re)create the request's state: first schedule, or resumed after preemption.
     sampling_params: SamplingParams | None = None
     sample: bool = False  # the chunk ends at the last known token: sample the next one
     num_output_tokens: int = 0  # position of the token to sample; seeds per-token randomness
+    # The other groups' new table entries, one list a group (empty without sliding windows).
+    new_group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def is_new(self) -> bool:

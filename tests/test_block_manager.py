@@ -48,20 +48,20 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token_to_compute():
     admit(bm, first)
     second = make_request("b", list(range(8)) + [99, 98, 97])
     cached = bm.find_cached_prefix(second)
-    assert cached == first.block_ids[:2]
+    assert cached == [first.block_ids[:2]]
     bm.take_cached_prefix(second, cached)
     assert second.num_computed_tokens == 8
-    assert bm.ref_counts[cached[0]] == 2
+    assert bm.ref_counts[cached[0][0]] == 2
     # An identical prompt that is all full blocks still computes its last block.
     third = make_request("c", list(range(8)))
-    assert bm.find_cached_prefix(third) == first.block_ids[:1]
+    assert bm.find_cached_prefix(third) == [first.block_ids[:1]]
 
 
 def test_different_prefix_misses_even_with_equal_later_blocks():
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     admit(bm, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     other = make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])  # block 2 equal, block 1 not
-    assert bm.find_cached_prefix(other) == []
+    assert bm.find_cached_prefix(other) == [[]]
 
 
 def test_freed_cached_blocks_stay_findable_until_evicted_lru():
@@ -71,11 +71,11 @@ def test_freed_cached_blocks_stay_findable_until_evicted_lru():
     bm.free(a)
     assert bm.num_free_blocks == 4
     again = make_request("a2", [1, 2, 3, 4, 5])
-    assert len(bm.find_cached_prefix(again)) == 2
+    assert len(bm.find_cached_prefix(again)[0]) == 2
     # Filling the cache with other tokens evicts the old blocks, least recently freed first.
     b = make_request("b", [7, 7, 8, 8, 9, 9, 6])  # needs all 4 blocks
     admit(bm, b)
-    assert bm.find_cached_prefix(make_request("a3", [1, 2, 3, 4, 5])) == []
+    assert bm.find_cached_prefix(make_request("a3", [1, 2, 3, 4, 5])) == [[]]
     bm.free(b)
     assert bm.num_free_blocks == 4
 
@@ -89,7 +89,7 @@ def test_lru_evicts_the_tail_of_a_freed_prefix_first():
     b = make_request("b", [9, 9, 9])  # 2 blocks: the untouched free block, then a's tail
     admit(bm, b)
     assert head not in b.block_ids and middle not in b.block_ids
-    assert bm.find_cached_prefix(make_request("c", [1, 2, 3, 4, 0])) == [head, middle]
+    assert bm.find_cached_prefix(make_request("c", [1, 2, 3, 4, 0])) == [[head, middle]]
 
 
 def test_double_free_is_caught():

@@ -123,9 +123,9 @@ def test_blocks_are_cacheable_only_once_their_chunk_returns():
     twin = add(scheduler, "b", prompt_len=100, max_tokens=2)
     twin.prompt_token_ids[:], twin.all_token_ids[:] = first.prompt_token_ids, first.all_token_ids
     bm = scheduler.block_manager
-    assert bm.find_cached_prefix(twin) == []
+    assert bm.find_cached_prefix(twin) == [[]]
     scheduler.update_from_output(out, fake_output(out))
-    assert len(bm.find_cached_prefix(twin)) == out.num_tokens // 4
+    assert len(bm.find_cached_prefix(twin)[0]) == out.num_tokens // 4
 
 
 def test_chunk_cost_model_inverts_and_grows_with_the_prefix():

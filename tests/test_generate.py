@@ -24,7 +24,9 @@ def make_prompts(vocab_size: int, shared_prefix: int = 0) -> list[list[int]]:
     ]
 
 
-def reference_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
+def reference_greedy(
+    model_dir, prompts: list[list[int]], num_tokens: int = NUM_NEW_TOKENS
+) -> list[list[int]]:
     """Plain full-recompute greedy decoding with transformers, one prompt at a time."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
@@ -32,7 +34,7 @@ def reference_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:
     with torch.no_grad():
         for prompt in prompts:
             ids = list(prompt)
-            for _ in range(NUM_NEW_TOKENS):
+            for _ in range(num_tokens):
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
             outputs.append(ids[len(prompt) :])
     return outputs
@@ -61,6 +63,7 @@ def generate(model_dir, prompts, **engine_args) -> list[list[int]]:
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks, "every block is free afterwards"
         assert all(count == 0 for count in bm.ref_counts)
+        assert all(bm.num_held_blocks(g) == 0 for g in range(len(bm.pools))), "every group's"
         return [list(o.outputs[0].token_ids) for o in outputs]
 
 

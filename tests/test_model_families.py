@@ -71,6 +71,23 @@ def test_gemma3_scheduling_choices_do_not_change_tokens(gemma3, engine_args, rea
     assert generate(directory, prompts, **engine_args) == expected
 
 
+def test_gemma3_long_generation_fits_because_the_window_gives_blocks_back(gemma3):
+    """A budget of 6 blocks of all layers: split, the global layer gets 16 (one 256-token
+    sequence) and the five local ones 3 usable each, so 23 + 190 tokens (14 blocks) fit only
+    because the local layers give back the blocks their 8-token window left."""
+    directory = gemma3[0]
+    prompt = make_prompts(vocab_size=300, shared_prefix=20)[0]  # 23 tokens
+    kv_bytes_per_block = 16 * 2 * 6 * 2 * 32 * 4
+    params = SamplingParams(temperature=0, max_tokens=190, ignore_eos=True)
+    args = dict(max_model_len=256, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    with LLM(str(directory), kv_cache_memory=6 * kv_bytes_per_block, **args) as llm:
+        full, window = llm.engine.block_manager.groups
+        assert (full.num_blocks, window.window, window.num_blocks - 1) == (16, 8, 3)
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        assert llm.engine.block_manager.usage == 0
+    assert list(output.outputs[0].token_ids) == reference_greedy(directory, [prompt], 190)[0]
+
+
 def test_mistral_sliding_window_on_every_layer(tmp_path):
     """Mistral's `sliding_window` applies to all its layers (no layer_types in its config)."""
     directory = make_tiny_checkpoint(tmp_path / "mistral", arch="mistral")

@@ -71,12 +71,17 @@ class EngineCore:
         self.eos_token_ids = tuple(
             sorted(set(self.tokenizer.eos_token_ids) | set(config.model_config.eos_token_ids))
         )
+        groups = config.kv_cache_groups
         self.block_manager = BlockManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, groups
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
-            config.num_kv_blocks,
+            "KV cache: %s blocks of %d tokens (%.1f MiB)",
+            " + ".join(
+                f"{g.num_blocks}"
+                + (f" (window {g.window}, {g.num_layers} layers)" if g.window else "")
+                for g in groups
+            ),
             config.block_size,
             config.num_kv_blocks * config.kv_bytes_per_block / 2**20,
         )

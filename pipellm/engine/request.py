@@ -43,11 +43,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admit)
-        self.block_ids: list[int] = []
+        # One block table per KV-cache group (engine/cache_groups.py); none before allocation.
+        self.block_tables: list[list[int]] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
         self.num_in_flight = 0  # in-flight micro-batches holding a chunk of this request
         self.num_tokens_sent = 0  # how many of all_token_ids the stage workers already hold
-        self.num_blocks_sent = 0  # likewise for block_ids
+        self.num_blocks_sent = 0  # likewise for each block table's entries
         self.num_preemptions = 0
         # Written only by Scheduler.stop_request, the one place a request ends.
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -60,6 +61,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first KV-cache group's block table (the only one without sliding windows)."""
+        return self.block_tables[0] if self.block_tables else []
+
+    @block_ids.setter
+    def block_ids(self, blocks: list[int]) -> None:
+        self.block_tables = [blocks]
 
     @property
     def in_flight(self) -> bool:

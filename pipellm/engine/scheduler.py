@@ -314,7 +314,7 @@ class Scheduler:
             cached = self._fork_blocks(request)
             if cached is None:
                 cached = self.block_manager.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_cached_tokens = len(cached[0]) * self.block_manager.block_size
             share = budget
             if is_long(request):
                 share = min(budget, cap)
@@ -326,15 +326,13 @@ class Scheduler:
             if is_long(request):
                 long_slots -= 1
             bm = self.block_manager
-            newly_taken = sum(bm.ref_counts[b] == 0 for b in cached)
-            extra = bm.blocks_needed(num_cached_tokens + num_new) - len(cached)
-            if not bm.can_allocate(newly_taken + extra):
+            if not bm.can_admit(cached, num_new):
                 break
             self.waiting.remove(request)
             bm.take_cached_prefix(request, cached)
             # NOTE: not inside an assert, which `python -O` would skip with its allocation.
             allocated = bm.allocate_slots(request, num_new)
-            assert allocated, "can_allocate said the blocks were free"
+            assert allocated, "can_admit said the blocks were free"
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
@@ -367,10 +365,13 @@ class Scheduler:
             request.fork_from.num_computed_tokens < num_blocks * self.block_manager.block_size
         )
 
-    def _fork_blocks(self, request: Request) -> list[int] | None:
-        """The first sample's prompt blocks this sample shares (ref counts), or None."""
+    def _fork_blocks(self, request: Request) -> list[list[int]] | None:
+        """Per KV-cache group, the first sample's prompt blocks this sample shares (ref
+        counts), or None (also where a window group gave back blocks the sample needs)."""
         num_blocks = self._num_fork_blocks(request)
-        return request.fork_from.block_ids[:num_blocks] if num_blocks else None
+        if not num_blocks:
+            return None
+        return self.block_manager.shared_prefix(request.fork_from, num_blocks)
 
     def _make_output(self, chunks: list[tuple[Request, int, bool]]) -> SchedulerOutput:
         scheduled = []
@@ -382,6 +383,7 @@ class Scheduler:
                 num_scheduled_tokens=num_new,
                 new_token_ids=request.all_token_ids[0 if is_new else request.num_tokens_sent :],
                 new_block_ids=request.block_ids[known_blocks:],
+                new_group_block_ids=[table[known_blocks:] for table in request.block_tables[1:]],
                 sampling_params=request.sampling_params if is_new else None,
                 num_output_tokens=request.num_output_tokens,
             )

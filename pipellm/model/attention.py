@@ -2,7 +2,10 @@
 and, before it, RoPE and the cache writes of the step's new keys and values.
 
 A sliding-window layer (`window` > 0) lets each query see the last `window` positions only, its
-own included, as transformers' and llama.cpp's masks do; its cache still holds every block.
+own included, as transformers' and llama.cpp's masks do. Its KV-cache group keeps only the
+blocks the window reaches (engine/cache_groups.py): entries before the window may name the
+null block or a block given back (since reused), which the decode kernel never reads and the
+prompt paths read masked.
 
 Each layer's cache is a pair of [num_blocks, block_size, kv_heads, head_dim] tensors. Decodes
 and continued prompt chunks use pipellm's own kernels, which read the cache in place through

@@ -33,6 +33,13 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [S] rows whose hidden state is sampled
     # Per scheduled request, in the scheduler's order: the row of its chunk's last token.
     last_rows: list[int] = field(default_factory=list)
+    # The same batch for each further KV-cache group (sliding-window layers, see
+    # engine/cache_groups.py): its own cache slots and block tables; empty with one group.
+    group_batches: list[ForwardBatch] = field(default_factory=list)
+
+    def for_group(self, group: int) -> ForwardBatch:
+        """The batch as the layers of KV-cache group `group` see it."""
+        return self if group == 0 else self.group_batches[group - 1]
 
     @property
     def num_tokens(self) -> int:

@@ -183,6 +183,7 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps) if sandwich else None
         self.mlp = MLP(config, tp, comm)
         self.uses_local_rope = config.uses_local_rope(layer)
+        self.cache_group = config.layer_cache_group(layer)  # whose blocks its cache is in
 
     def forward(
         self,
@@ -285,7 +286,8 @@ class LlamaStage(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             tables = local if layer.uses_local_rope else cos_sin
-            x, residual = layer(x, residual, tables, kv_cache, batch)
+            layer_batch = batch.for_group(layer.cache_group)
+            x, residual = layer(x, residual, tables, kv_cache, layer_batch)
         return x if residual is None else x.add_(residual)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

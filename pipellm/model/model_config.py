@@ -70,6 +70,16 @@ class ModelConfig:
         """The window of global layer `layer`: 0 where it attends to its whole context."""
         return self.sliding_window if layer in self.sliding_window_layers else 0
 
+    @property
+    def cache_group_windows(self) -> tuple[int, ...]:
+        """The windows of the KV-cache groups (engine/cache_groups.py), full attention (0)
+        first: one group a distinct window."""
+        return tuple(sorted({self.layer_window(i) for i in range(self.num_hidden_layers)}))
+
+    def layer_cache_group(self, layer: int) -> int:
+        """The KV-cache group of global layer `layer`: an index into cache_group_windows."""
+        return self.cache_group_windows.index(self.layer_window(layer))
+
     def uses_local_rope(self, layer: int) -> bool:
         return self.rope_local_theta is not None and layer in self.sliding_window_layers
 

@@ -78,23 +78,28 @@ class Sample:
     seconds: float
 
 
-def _scheduler_output(chunks: list[tuple[int, int]], ids: itertools.count, block_size: int):
+def _scheduler_output(chunks: list[tuple[int, int]], ids: itertools.count, config: Any):
     from pipellm.protocol import ScheduledRequest, SchedulerOutput
     from pipellm.sampling_params import SamplingParams
 
     requests, next_block = [], 0
+    window_pools = [group.num_blocks for group in config.kv_cache_groups[1:]]
     for cached, num_new in chunks:
         total = cached + num_new
-        num_blocks = -(-total // block_size)
+        num_blocks = -(-total // config.block_size)
+        blocks = list(range(next_block, next_block + num_blocks))
         requests.append(
             ScheduledRequest(
                 request_id=f"p{next(ids)}",
                 num_computed_tokens=cached,
                 num_scheduled_tokens=num_new,
                 new_token_ids=[7] * total,
-                new_block_ids=list(range(next_block, next_block + num_blocks)),
+                new_block_ids=blocks,
                 sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                 sample=True,
+                # Sliding-window groups' pools are smaller: only the time counts, so blocks
+                # may repeat (block 0 is their null block).
+                new_group_block_ids=[[1 + b % (n - 1) for b in blocks] for n in window_pools],
             )
         )
         next_block += num_blocks
@@ -128,7 +133,7 @@ def _time_stage(config: Any, stage: int, repeats: int, barrier: Any) -> dict[str
 
     def run(chunks: list[tuple[int, int]]) -> tuple[float, float, BatchShape]:
         nonlocal previous
-        output = _scheduler_output(chunks, ids, config.block_size)
+        output = _scheduler_output(chunks, ids, config)
         output.freed_request_ids, previous = previous, [r.request_id for r in output.requests]
         hidden = None
         if not worker.is_first:
@@ -257,7 +262,7 @@ def time_streamed(config: Any, repeats: int, passes: int = 2) -> tuple[list[Samp
         for _ in range(passes):
             for index, chunks in enumerate(points):
                 for copy in range(1 + repeats):
-                    output = _scheduler_output(chunks, ids, config.block_size)
+                    output = _scheduler_output(chunks, ids, config)
                     output.micro_batch_id = micro_batch_id
                     micro_batch_id += 1
                     output.freed_request_ids = previous

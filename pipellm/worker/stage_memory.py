@@ -145,12 +145,18 @@ def _checkpoint_sizes(config: EngineConfig) -> dict[str, tuple[int, int, object]
 
 def kv_cache_bytes(config: EngineConfig, stage_index: int) -> int:
     """The stage's layers' share of the pipeline's KV cache (kv_cache_memory is the whole
-    pipeline's: every stage holds the same blocks for its own layers)."""
+    pipeline's: every stage holds the same blocks for its own layers, each layer its KV-cache
+    group's, engine/cache_groups.py)."""
     mc = config.model_config
-    layers = config.stage(stage_index).num_layers
+    spec = config.stage(stage_index)
+    groups = config.kv_cache_groups
+    blocks = sum(
+        groups[mc.layer_cache_group(layer)].num_blocks
+        for layer in range(spec.layer_start, spec.layer_end)
+    )
     kv_heads = -(-mc.num_key_value_heads // config.tensor_parallel_size)
-    per_block = 2 * layers * kv_heads * mc.head_dim * config.block_size
-    return config.num_kv_blocks * per_block * config.cache_dtype.itemsize
+    per_block = 2 * kv_heads * mc.head_dim * config.block_size
+    return blocks * per_block * config.cache_dtype.itemsize
 
 
 def workspace_bytes(config: EngineConfig) -> int:

@@ -129,18 +129,22 @@ class StageWorker:
         self.model.eval()
         if isinstance(self.model.embed_tokens, GgufEmbedding) and mc.tie_word_embeddings:
             self.model.embed_tokens.share_head(self.model.lm_head)  # one copy of the table
-        cache_shape = (config.num_kv_blocks, config.block_size, tp.num_kv_heads, mc.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(cache_shape, dtype=config.cache_dtype),
-                torch.zeros(cache_shape, dtype=config.cache_dtype),
+        # Each layer's cache has its KV-cache group's blocks (engine/cache_groups.py).
+        groups = config.kv_cache_groups
+        self.kv_caches = []
+        for layer in self.model.layers:
+            shape = (groups[layer.cache_group].num_blocks, config.block_size)
+            shape += (tp.num_kv_heads, mc.head_dim)
+            self.kv_caches.append(
+                (
+                    torch.zeros(shape, dtype=config.cache_dtype),
+                    torch.zeros(shape, dtype=config.cache_dtype),
+                )
             )
-            for _ in range(stage.num_layers)
-        ]
         release_freed_memory()
         self.memory = LoadedStage(name, planned, loaded_weight_bytes(self.model), resident_bytes())
         logger.info("%s", self.memory.describe())
-        self.input_builder = InputBuilder(config.block_size)
+        self.input_builder = InputBuilder(config.block_size, len(groups))
         self.token_counts = OutputTokenCounts(mc.vocab_size) if self.is_last else None
         self.grammar_masks = GrammarMasks(self._tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.generator = torch.Generator().manual_seed(config.seed)
