@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from pipellm.engine.cache_groups import CacheGroup, min_budget_blocks, sequence_blocks, split_cache
+from pipellm.model.cache_groups import CacheGroup, min_budget_blocks, sequence_blocks, split_cache
 from pipellm.loader.source import ModelSource, load_model_config, resolve_model
 from pipellm.loader.weights import check_gguf_tensor_parallel
 from pipellm.model.model_config import ModelConfig
@@ -399,7 +399,7 @@ class EngineConfig:
     @property
     def kv_cache_groups(self) -> list[CacheGroup]:
         """The KV-cache groups, full attention first, and each one's blocks
-        (engine/cache_groups.py): one group of num_kv_blocks without sliding windows."""
+        (model/cache_groups.py): one group of num_kv_blocks without sliding windows."""
         return split_cache(
             self.num_kv_blocks,
             self._layers_by_window(),

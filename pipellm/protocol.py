@@ -27,7 +27,7 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the KV cache before this chunk
     num_scheduled_tokens: int
     new_token_ids: list[int]
-    new_block_ids: list[int]  # the first KV-cache group's (engine/cache_groups.py)
+    new_block_ids: list[int]  # the first KV-cache group's (model/cache_groups.py)
     # Workers (re)create the request's state: first schedule, or resumed after preemption.
     sampling_params: SamplingParams | None = None
     sample: bool = False  # the chunk ends at the last known token: sample the next one

@@ -1,8 +1,8 @@
 """KV-cache groups: sliding-window layers give back the blocks out of their window, and the
-budget split between groups (engine/cache_groups.py, engine/block_manager.py)."""
+budget split between groups (model/cache_groups.py, engine/block_manager.py)."""
 
 from pipellm.engine.block_manager import BlockManager
-from pipellm.engine.cache_groups import NULL_BLOCK, CacheGroup, sequence_blocks, split_cache
+from pipellm.model.cache_groups import NULL_BLOCK, CacheGroup, sequence_blocks, split_cache
 from pipellm.engine.request import Request
 from pipellm.sampling_params import SamplingParams
 

@@ -1,7 +1,7 @@
 """Paged KV-cache bookkeeping: which blocks each request owns, plus the prefix cache.
 
 The KV tensors themselves live in the stage workers; this file only hands out block ids, one
-pool and one block table per request for each KV-cache group (engine/cache_groups.py): the
+pool and one block table per request for each KV-cache group (model/cache_groups.py): the
 full-attention layers, and the sliding-window layers of each window. A window group gives back
 a request's blocks that fell out of its window (whose every position is older than `window`
 before the next token to compute) whenever the request is allocated more, and its table holds
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pipellm.engine.cache_groups import NULL_BLOCK, CacheGroup
+from pipellm.model.cache_groups import NULL_BLOCK, CacheGroup
 from pipellm.engine.request import Request
 
 

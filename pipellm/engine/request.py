@@ -43,7 +43,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admit)
-        # One block table per KV-cache group (engine/cache_groups.py); none before allocation.
+        # One block table per KV-cache group (model/cache_groups.py); none before allocation.
         self.block_tables: list[list[int]] = []
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks
         self.num_in_flight = 0  # in-flight micro-batches holding a chunk of this request

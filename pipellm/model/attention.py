@@ -3,7 +3,7 @@ and, before it, RoPE and the cache writes of the step's new keys and values.
 
 A sliding-window layer (`window` > 0) lets each query see the last `window` positions only, its
 own included, as transformers' and llama.cpp's masks do. Its KV-cache group keeps only the
-blocks the window reaches (engine/cache_groups.py): entries before the window may name the
+blocks the window reaches (model/cache_groups.py): entries before the window may name the
 null block or a block given back (since reused), which the decode kernel never reads and the
 prompt paths read masked.
 

@@ -34,7 +34,7 @@ class ForwardBatch:
     # Per scheduled request, in the scheduler's order: the row of its chunk's last token.
     last_rows: list[int] = field(default_factory=list)
     # The same batch for each further KV-cache group (sliding-window layers, see
-    # engine/cache_groups.py): its own cache slots and block tables; empty with one group.
+    # model/cache_groups.py): its own cache slots and block tables; empty with one group.
     group_batches: list[ForwardBatch] = field(default_factory=list)
 
     def for_group(self, group: int) -> ForwardBatch:

@@ -72,7 +72,7 @@ class ModelConfig:
 
     @property
     def cache_group_windows(self) -> tuple[int, ...]:
-        """The windows of the KV-cache groups (engine/cache_groups.py), full attention (0)
+        """The windows of the KV-cache groups (model/cache_groups.py), full attention (0)
         first: one group a distinct window."""
         return tuple(sorted({self.layer_window(i) for i in range(self.num_hidden_layers)}))
 

@@ -146,7 +146,7 @@ def _checkpoint_sizes(config: EngineConfig) -> dict[str, tuple[int, int, object]
 def kv_cache_bytes(config: EngineConfig, stage_index: int) -> int:
     """The stage's layers' share of the pipeline's KV cache (kv_cache_memory is the whole
     pipeline's: every stage holds the same blocks for its own layers, each layer its KV-cache
-    group's, engine/cache_groups.py)."""
+    group's, model/cache_groups.py)."""
     mc = config.model_config
     spec = config.stage(stage_index)
     groups = config.kv_cache_groups

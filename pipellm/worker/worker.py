@@ -129,7 +129,7 @@ class StageWorker:
         self.model.eval()
         if isinstance(self.model.embed_tokens, GgufEmbedding) and mc.tie_word_embeddings:
             self.model.embed_tokens.share_head(self.model.lm_head)  # one copy of the table
-        # Each layer's cache has its KV-cache group's blocks (engine/cache_groups.py).
+        # Each layer's cache has its KV-cache group's blocks (model/cache_groups.py).
         groups = config.kv_cache_groups
         self.kv_caches = []
         for layer in self.model.layers:
