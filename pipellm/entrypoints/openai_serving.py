@@ -29,7 +29,7 @@ from pipellm.entrypoints.openai_protocol import (
 from pipellm.entrypoints.request_prep import RequestPrep
 from pipellm.entrypoints.server_limits import ServerLimits, prompt_chars_bound
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.entrypoints.tool_calls import plan_tool_calling, template_messages
+from pipellm.entrypoints.tool_calls import ToolCalling, plan_tool_calling, template_messages
 from pipellm.protocol import EngineOutput, Logprobs, one_line
 from pipellm.sampling_params import SamplingParams
 from pipellm.structured_outputs import (
@@ -142,11 +142,7 @@ class OpenAIServing:
                 "(a Jinja chat template), or send a plain prompt to /v1/completions",
                 param="messages",
             )
-        # On prep threads: checking the tools compiles their schemas into grammars, and a long
-        # chat takes seconds to render.
-        tool_calling = await self.prep.run(plan_tool_calling, request, self.tool_call_parser)
-        text = await self.prep.run(self._render_chat, request, tool_calling.tools)
-        prompt_ids = await self._encode(text, "messages", add_special_tokens=False)
+        tool_calling, prompt_ids = await self.prep.run(self._prepare_chat, request)
         params = tool_calling.constrain(
             await self._sampling_params(
                 request,
@@ -240,18 +236,26 @@ class OpenAIServing:
                     param=name,
                 )
 
-    def _render_chat(
-        self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None
-    ) -> str:
-        """The chat as prompt text (on a prep thread: a long chat takes seconds)."""
+    def _prepare_chat(self, request: ChatCompletionRequest) -> tuple[ToolCalling, list[int]]:
+        """How the request uses its tools, and its prompt's token ids: one prep job, since
+        checking the tools compiles their schemas into grammars and a long chat takes seconds
+        to render."""
+        tool_calling = plan_tool_calling(request, self.tool_call_parser)
         try:
-            return self.tokenizer.apply_chat_template(template_messages(request), tools=tools)
+            text = self.tokenizer.apply_chat_template(
+                template_messages(request), tools=tool_calling.tools
+            )
         except (ValueError, TypeError) as error:  # the template could not render these messages
             raise OpenAIError(
                 f"cannot apply the chat template: {error}", param="messages"
             ) from error
+        return tool_calling, self._tokenize(text, "messages", add_special_tokens=False)
 
     async def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """_tokenize off the event loop: a long prompt must not stall the other streams."""
+        return await self.prep.run(self._tokenize, text, param, add_special_tokens)
+
+    def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         """Token ids of a prompt, refused before tokenizing if it cannot fit the context."""
         if len(text) > self.max_prompt_chars:
             raise OpenAIError(
@@ -261,8 +265,7 @@ class OpenAIServing:
                 param=param,
             )
         try:
-            # Off the event loop: a long prompt must not stall the other requests' streams.
-            return await self.prep.run(self.tokenizer.encode, text, add_special_tokens)
+            return self.tokenizer.encode(text, add_special_tokens)
         except ValueError as error:
             raise OpenAIError(f"{param}: {error}", param=param) from error
 
