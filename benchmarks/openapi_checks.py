@@ -37,7 +37,9 @@ def failed_checks(base_url: str, seed: int, examples: int, api_key: str | None) 
             command += ["-H", f"Authorization: Bearer {api_key}"]
         env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.openapi_checks_hooks"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        # In the temporary folder: schemathesis keeps a cache of failing cases in its working
+        # directory and replays them in later runs, which would then not depend on the seed.
+        run = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True)
         if not report.exists():
             raise RuntimeError(f"schemathesis wrote no report:\n{run.stdout[-3000:]}")
         result = json.loads(report.read_text())
