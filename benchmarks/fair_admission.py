@@ -1,5 +1,5 @@
-"""Time to first token of a short request sent while a long prompt prefills, with the defaults
-and with --long-prefill-token-threshold set, side by side.
+"""Time to first token of a short request sent while a long prompt prefills, with
+--long-prefill-token-threshold off (0) and at its default, side by side.
 
 For each pipeline size, `pipellm serve` runs once per configuration; a request with a
 LONG-token prompt and max_tokens 1 is sent, then after --delay seconds a streamed request with
@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipellm.config import DEFAULT_LONG_PREFILL_TOKENS
 from pipellm.testing.server_process import ServerProcess
 
 
@@ -70,8 +71,9 @@ def main() -> None:
         "--thresholds",
         type=int,
         nargs="+",
-        default=[0, 512],
-        help="--long-prefill-token-threshold values to compare (0: the default, no cap)",
+        default=[0, DEFAULT_LONG_PREFILL_TOKENS],
+        help="--long-prefill-token-threshold values to compare (0: no cap; default: off and "
+        f"the default, {DEFAULT_LONG_PREFILL_TOKENS})",
     )
     args = parser.parse_args()
     model = [args.model] if args.model else []

@@ -36,6 +36,13 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("gguf", "gguf_int8", "none")
 BACKENDS = ("uni", "mp", "ray", "sim")
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherwise
+# The default cap on one prompt's chunk per step. A request arriving while a long prompt
+# prefills waits for the step under way and then shares one with it, so a step's length is its
+# time to first token; on CPU a 2048-token step takes seconds, 256 tokens a fraction of one
+# (docs/reliability.md, fair admission). vLLM takes 4% of max_model_len when it splits prompts
+# (327 for an 8192-token context), sized for GPUs, whose steps are far shorter.
+# NOTE: --long-prefill-token-threshold's help states it (the CLI imports no torch).
+DEFAULT_LONG_PREFILL_TOKENS = 256
 
 
 class ConfigError(ValueError):
@@ -66,8 +73,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Fair admission (pipellm/engine/scheduler.py): while a short prompt waits, at most
     # max_num_partial_prefills long prompts get a chunk, each at most the micro-batch's budget /
-    # (max_num_partial_prefills + 1); long_prefill_token_threshold caps every chunk (0: off).
-    long_prefill_token_threshold: int = 0
+    # (max_num_partial_prefills + 1); long_prefill_token_threshold caps every chunk (0: off;
+    # None, auto: DEFAULT_LONG_PREFILL_TOKENS with chunked prefill, else off).
+    long_prefill_token_threshold: int | None = None
     max_num_partial_prefills: int = 1
     enable_prefix_caching: bool = True
     block_size: int = 16
@@ -165,9 +173,8 @@ class EngineConfig:
             )
         if self.max_cudagraph_capture_size is not None:
             logger.warning("max_cudagraph_capture_size has no effect on CPU; ignored")
-        if not isinstance(self.long_prefill_token_threshold, int) or (
-            self.long_prefill_token_threshold < 0
-        ):
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or threshold < 0):
             _fail(
                 "long_prefill_token_threshold",
                 self.long_prefill_token_threshold,
@@ -269,6 +276,9 @@ class EngineConfig:
             )
         if self.max_num_batched_tokens <= 0:
             _fail("max_num_batched_tokens", self.max_num_batched_tokens, "use a positive integer")
+        if self.long_prefill_token_threshold is None:
+            chunked = self.enable_chunked_prefill
+            self.long_prefill_token_threshold = DEFAULT_LONG_PREFILL_TOKENS if chunked else 0
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             _fail(
                 "max_num_batched_tokens",

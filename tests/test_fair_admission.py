@@ -4,7 +4,14 @@ while a short one waits, and to --long-prefill-token-threshold always."""
 
 from collections import deque
 
+import pytest
+
+from pipellm.config import DEFAULT_LONG_PREFILL_TOKENS, EngineConfig
+from pipellm.engine.core import EngineCore
+from pipellm.executor.sim import VirtualSimExecutor
 from pipellm.protocol import SchedulerOutput
+from pipellm.sampling_params import SamplingParams
+from pipellm.sim.clock import VirtualClock
 from tests.test_scheduler import add, fake_output, make_scheduler, two_stage_scheduler
 
 
@@ -85,3 +92,38 @@ def test_long_prompts_alone_keep_the_whole_budget():
     add(scheduler, "long-a", prompt_len=300, max_tokens=1)
     add(scheduler, "long-b", prompt_len=300, max_tokens=1)
     assert tokens_of(scheduler.schedule()) == {"long-a": 32}
+
+
+# The issue's case: an 8,000-token prompt, then 3 s later a 5-token request.
+ARRIVAL_S = 3.0
+TTFT_GOAL_S = 2.0
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_short_request_behind_an_8000_token_prompt_with_the_defaults(pp):
+    """The real engine loop and scheduler, with the built-in model's stages modelled in virtual
+    time (the sim backend's roofline of an idle 2-core CPU): with the default settings the short
+    request's first token comes within the goal, and the long prompt computes at most two
+    capped chunks ahead of it: the step under way when it arrives, and the one it shares.
+
+    With the cap off (the old default) one stage took 2048-token steps: 3,072 tokens ahead and
+    3.4 s simulated (86.8 s on a loaded machine, docs/reliability.md)."""
+    clock = VirtualClock()
+    config = EngineConfig(distributed_executor_backend="sim", pipeline_parallel_size=pp)
+    core = EngineCore(config, VirtualSimExecutor(config, clock), clock=clock.time)
+    try:
+        core.add_request("long", [504] * 8000, SamplingParams(max_tokens=1))
+        long = core.scheduler.requests["long"]
+        computed_before = 0
+        while clock.now < ARRIVAL_S:  # the step that ends past ARRIVAL_S was under way then
+            computed_before = long.num_computed_tokens
+            core.step()
+        assert long.num_computed_tokens < 8000, "the long prompt's prefill ended before"
+        core.add_request("short", [504] * 5, SamplingParams(max_tokens=5))
+        while not any(out.request_id == "short" for out in core.step()):
+            pass
+        ttft_s = clock.now - ARRIVAL_S
+        ahead = long.num_computed_tokens - computed_before
+    finally:
+        core.executor.shutdown()
+    assert ttft_s <= TTFT_GOAL_S and ahead <= 2 * DEFAULT_LONG_PREFILL_TOKENS, (ttft_s, ahead)

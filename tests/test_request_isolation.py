@@ -28,15 +28,17 @@ AUTH = f"Authorization: Bearer {API_KEY}\r\n"
 SERVED_NAME = "tiny-model"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-# Generous against a loaded 2-core machine; a compile on the event loop stalled it for 18 s.
-HEALTH_BOUND_S = 1.0
+# The issue asks for 100 ms; this is its slowest answer's bound on a 2-core machine loaded by
+# other jobs, where the OS alone delays the server by a time slice or more (measured at load
+# average 7: 0.14-0.23 s; idle: under 10 ms). A compile on the event loop stalled it for 18 s,
+# and the 4 MB chat's one json.loads and the garbage collector walking its 500,000 objects for
+# 2-3 s at load average 12.
+HEALTH_BOUND_S = 0.5
 
 
-def assert_responsive(latencies: list[float], durations: list[float]) -> None:
-    """/health never waited for most of a slow request's work: work on the event loop would
-    hold it for all of it. On a machine too loaded for the fixed bound, half the quickest
-    slow request is the bound (both stretch alike under load)."""
-    assert max(latencies) < max(HEALTH_BOUND_S, min(durations) / 2), (latencies, durations)
+def assert_responsive(latencies: list[float]) -> None:
+    """/health kept answering while a slow request's work ran: none of it held the loop."""
+    assert max(latencies) < HEALTH_BOUND_S, sorted(latencies)[-5:]
 
 
 SHUTDOWN_TIMEOUT_S = 1.0
@@ -143,29 +145,23 @@ def test_a_huge_choice_list_neither_stalls_nor_grows_the_server(server):
     process = psutil.Process(server.process.pid)
     request(server, "POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 1})
     before = process.memory_info().rss
-    durations = []
     with HealthWatch(server) as watch:
         for _ in range(3):
-            started = time.perf_counter()
             error = error_of(*_status_body(request(server, "POST", COMPLETIONS, body)), 400)
-            durations.append(time.perf_counter() - started)
             assert "100000 items" in error["message"]
     assert set(watch.statuses) == {200}
-    assert_responsive(watch.latencies, durations)
+    assert_responsive(watch.latencies)
     assert process.memory_info().rss - before < 50 * 2**20
 
 
 def test_a_huge_chat_is_templated_off_the_event_loop(server):
     body = {"messages": [{"role": "user", "content": ""}] * 125_000, "max_tokens": 1}
-    durations = []
     with HealthWatch(server) as watch:
         for _ in range(2):
-            started = time.perf_counter()
             error = error_of(*_status_body(request(server, "POST", CHAT, body)), 400)
-            durations.append(time.perf_counter() - started)
             assert "--max-prompt-chars" in error["message"]
     assert len(watch.latencies) > 1 and set(watch.statuses) == {200}
-    assert_responsive(watch.latencies, durations)
+    assert_responsive(watch.latencies)
 
 
 def test_float32_underflow_is_clamped_or_refused(server):

@@ -16,7 +16,8 @@ a short prompt waits (to be admitted, or with its own prompt tokens left), a pro
 tokens left than the fair share (the micro-batch's budget / (max_num_partial_prefills + 1)) is
 a long one: it takes at most the fair share, and at most `max_num_partial_prefills` long
 prompts get a chunk, so the rest of the budget goes to the short ones (a long waiting request
-then lets short ones behind it go first). `long_prefill_token_threshold` (0: off), as vLLM's
+then lets short ones behind it go first). `long_prefill_token_threshold` (0: off; the engine's
+default: DEFAULT_LONG_PREFILL_TOKENS in pipellm/config.py), as vLLM's
 flag of that name, caps every prompt's chunk at all times, which bounds how long a request
 arriving mid-step waits for that step; the fair share never exceeds it.
 """

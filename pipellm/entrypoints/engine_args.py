@@ -46,10 +46,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=0,
-        help="most tokens of one prompt per micro-batch, which bounds the step a new request "
-        "may wait behind (default 0: no cap; while a short prompt waits, long prompts take at "
-        "most the budget / (--max-num-partial-prefills + 1) anyway)",
+        default=None,
+        help="most tokens of one prompt per step, which bounds the step a new request waits "
+        "behind (default 256 with chunked prefill; 0: no cap; "
+        "while a short prompt waits, long prompts take at most the budget / "
+        "(--max-num-partial-prefills + 1) anyway)",
     )
     g.add_argument(
         "--max-num-partial-prefills",

@@ -10,6 +10,7 @@ every path.
 from __future__ import annotations
 
 import argparse
+import gc
 import hmac
 import json
 import logging
@@ -37,6 +38,7 @@ from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError
 from pipellm.engine.core_process import CoreProcess
 from pipellm.entrypoints.engine_args import engine_config_from_args
 from pipellm.entrypoints.graceful_drain import DrainGate, DrainingServer, DrainState
+from pipellm.entrypoints.json_body import collection_paused, free_in_pieces, loads_in_pieces
 from pipellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -52,6 +54,7 @@ from pipellm.entrypoints.openai_serving import (
 )
 from pipellm.entrypoints.server_limits import BodyLimits, ServerLimits, header_timeout_protocol
 from pipellm.entrypoints.server_metrics import ServerMetrics
+from pipellm.entrypoints.tool_calls import ToolCalling
 from pipellm.entrypoints.tool_parsers import resolve_tool_call_parser
 from pipellm.text.chat_template import read_chat_template
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
@@ -151,8 +154,22 @@ async def completions(request: Request) -> Response:
 
 @router.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
-    body = await _parse_body(request, ChatCompletionRequest)
-    return await request.app.state.serving.chat(body, request)
+    serving: OpenAIServing = request.app.state.serving
+    data = await request.body()
+    if len(data) <= PARSE_ON_LOOP_BYTES:
+        return await serving.chat(_validate_body(ChatCompletionRequest, data), request)
+    body, prepared = await serving.prep.run(_parse_and_prepare_chat, serving, data)
+    return await serving.chat(body, request, prepared)
+
+
+def _parse_and_prepare_chat(
+    serving: OpenAIServing, data: bytes
+) -> tuple[ChatCompletionRequest, tuple[ToolCalling, list[int]]]:
+    """A large chat body's whole preparation in one prep job, the garbage collector held off
+    until the messages are freed (json_body.py)."""
+    with collection_paused():
+        body = _validate_body(ChatCompletionRequest, data)
+        return body, serving.prepare_chat(body)
 
 
 async def _parse_body(request: Request, model: type[ModelT]) -> ModelT:
@@ -165,9 +182,14 @@ async def _parse_body(request: Request, model: type[ModelT]) -> ModelT:
 
 
 def _validate_body(model: type[ModelT], data: bytes) -> ModelT:
-    """Raises RequestValidationError in FastAPI's form, which _validation_error answers."""
+    """Raises RequestValidationError in FastAPI's form, which _validation_error answers. A body
+    too large to parse on the event loop is parsed in pieces (json_body.py): this runs on a
+    prep thread then, and one json.loads would still hold the GIL, and so the loop."""
     try:
-        value = json.loads(data) if data else None
+        if len(data) <= PARSE_ON_LOOP_BYTES:
+            value = json.loads(data) if data else None
+        else:
+            value = loads_in_pieces(data)
     except json.JSONDecodeError as error:
         problem = {"type": "json_invalid", "loc": ("body", error.pos), "msg": "JSON decode error"}
         raise RequestValidationError([{**problem, "ctx": {"error": error.msg}}]) from None
@@ -191,19 +213,22 @@ def _validate_long_chat(value: dict[str, Any]) -> ChatCompletionRequest:
     """A chat of many messages validated a batch at a time: pydantic holds the GIL for a whole
     call, and 125,000 messages in one call would stall the event loop for a second."""
     messages = value["messages"]
-    request = ChatCompletionRequest.model_validate(
-        {**value, "messages": messages[:MESSAGES_PER_BATCH]}
-    )
-    for start in range(MESSAGES_PER_BATCH, len(messages), MESSAGES_PER_BATCH):
-        batch = messages[start : start + MESSAGES_PER_BATCH]
-        try:
-            request.messages += _CHAT_MESSAGES.validate_python(batch)
-        except ValidationError as error:
-            problems = [
-                {**item, "loc": ("body", "messages", start + item["loc"][0], *item["loc"][1:])}
-                for item in error.errors()
-            ]
-            raise RequestValidationError(problems) from None
+    try:
+        request = ChatCompletionRequest.model_validate(
+            {**value, "messages": messages[:MESSAGES_PER_BATCH]}
+        )
+        for start in range(MESSAGES_PER_BATCH, len(messages), MESSAGES_PER_BATCH):
+            batch = messages[start : start + MESSAGES_PER_BATCH]
+            try:
+                request.messages += _CHAT_MESSAGES.validate_python(batch)
+            except ValidationError as error:
+                problems = [
+                    {**item, "loc": ("body", "messages", start + item["loc"][0], *item["loc"][1:])}
+                    for item in error.errors()
+                ]
+                raise RequestValidationError(problems) from None
+    finally:
+        free_in_pieces(messages)  # the parsed JSON, freed at once, would hold the GIL a while
     return request
 
 
@@ -249,6 +274,11 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # As vLLM's API server does: the startup heap (torch, the tokenizer, FastAPI) moves to
+        # the permanent generation, so a full collection no longer walks it. Set off by a
+        # large request's allocations, one took over a second, holding the GIL and the loop.
+        gc.collect()
+        gc.freeze()
         client = AsyncEngineClient(core, on_dead=on_engine_dead)
         app.state.client = client
         app.state.serving = OpenAIServing(

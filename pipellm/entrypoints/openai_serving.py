@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pipellm.config import EngineConfig
 from pipellm.engine.async_client import AsyncEngineClient, EngineDeadError, RequestFailedError
 from pipellm.engine.prompt_check import check_prompt
+from pipellm.entrypoints.json_body import free_in_pieces
 from pipellm.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,7 +30,7 @@ from pipellm.entrypoints.openai_protocol import (
 from pipellm.entrypoints.request_prep import RequestPrep
 from pipellm.entrypoints.server_limits import ServerLimits, prompt_chars_bound
 from pipellm.entrypoints.server_metrics import ServerMetrics
-from pipellm.entrypoints.tool_calls import plan_tool_calling, template_messages
+from pipellm.entrypoints.tool_calls import ToolCalling, plan_tool_calling, template_messages
 from pipellm.protocol import EngineOutput, Logprobs, one_line
 from pipellm.sampling_params import SamplingParams
 from pipellm.structured_outputs import (
@@ -133,20 +134,16 @@ class OpenAIServing:
         choices = [choice(sample, sample[-1]) for sample in _by_sample(outs, params.n)]
         return JSONResponse(reply.whole(num_tokens, choices))
 
-    async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_request(request)
-        if self.tokenizer.chat_template is None:
-            # As vLLM answers: the model (e.g. a base model's GGUF) brought no template.
-            raise OpenAIError(
-                "this model has no chat template: start the server with --chat-template FILE "
-                "(a Jinja chat template), or send a plain prompt to /v1/completions",
-                param="messages",
-            )
-        # On prep threads: checking the tools compiles their schemas into grammars, and a long
-        # chat takes seconds to render.
-        tool_calling = await self.prep.run(plan_tool_calling, request, self.tool_call_parser)
-        text = await self.prep.run(self._render_chat, request, tool_calling.tools)
-        prompt_ids = await self._encode(text, "messages", add_special_tokens=False)
+    async def chat(
+        self,
+        request: ChatCompletionRequest,
+        raw: Request,
+        prepared: tuple[ToolCalling, list[int]] | None = None,
+    ) -> Response:
+        """`prepared`: prepare_chat's result, when the caller ran it already."""
+        if prepared is None:
+            prepared = await self.prep.run(self.prepare_chat, request)
+        tool_calling, prompt_ids = prepared
         params = tool_calling.constrain(
             await self._sampling_params(
                 request,
@@ -240,18 +237,39 @@ class OpenAIServing:
                     param=name,
                 )
 
-    def _render_chat(
-        self, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None
-    ) -> str:
-        """The chat as prompt text (on a prep thread: a long chat takes seconds)."""
+    def prepare_chat(self, request: ChatCompletionRequest) -> tuple[ToolCalling, list[int]]:
+        """Checks the request, and says how it uses its tools and its prompt's token ids: one
+        prep job (it blocks), since checking the tools compiles their schemas into grammars
+        and a long chat takes seconds to render."""
+        self._check_request(request)
+        if self.tokenizer.chat_template is None:
+            # As vLLM answers: the model (e.g. a base model's GGUF) brought no template.
+            raise OpenAIError(
+                "this model has no chat template: start the server with --chat-template FILE "
+                "(a Jinja chat template), or send a plain prompt to /v1/completions",
+                param="messages",
+            )
+        messages: list[dict[str, Any]] = []
         try:
-            return self.tokenizer.apply_chat_template(template_messages(request), tools=tools)
+            tool_calling = plan_tool_calling(request, self.tool_call_parser)
+            messages = template_messages(request)
+            text = self.tokenizer.apply_chat_template(messages, tools=tool_calling.tools)
         except (ValueError, TypeError) as error:  # the template could not render these messages
             raise OpenAIError(
                 f"cannot apply the chat template: {error}", param="messages"
             ) from error
+        finally:
+            # The messages are not needed past here. Freed at the request's end, on the event
+            # loop, 125,000 of them held it for half a second; here they go a slice at a time.
+            free_in_pieces(messages)
+            free_in_pieces(request.messages)
+        return tool_calling, self._tokenize(text, "messages", add_special_tokens=False)
 
     async def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """_tokenize off the event loop: a long prompt must not stall the other streams."""
+        return await self.prep.run(self._tokenize, text, param, add_special_tokens)
+
+    def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         """Token ids of a prompt, refused before tokenizing if it cannot fit the context."""
         if len(text) > self.max_prompt_chars:
             raise OpenAIError(
@@ -261,8 +279,7 @@ class OpenAIServing:
                 param=param,
             )
         try:
-            # Off the event loop: a long prompt must not stall the other requests' streams.
-            return await self.prep.run(self.tokenizer.encode, text, add_special_tokens)
+            return self.tokenizer.encode(text, add_special_tokens)
         except ValueError as error:
             raise OpenAIError(f"{param}: {error}", param=param) from error
 
