@@ -74,7 +74,7 @@ class EngineConfig:
     # Fair admission (pipellm/engine/scheduler.py): while a short prompt waits, at most
     # max_num_partial_prefills long prompts get a chunk, each at most the micro-batch's budget /
     # (max_num_partial_prefills + 1); long_prefill_token_threshold caps every chunk (0: off;
-    # None, auto: DEFAULT_LONG_PREFILL_TOKENS with chunked prefill, else off).
+    # None, auto: DEFAULT_LONG_PREFILL_TOKENS at one stage with chunked prefill, else off).
     long_prefill_token_threshold: int | None = None
     max_num_partial_prefills: int = 1
     enable_prefix_caching: bool = True
@@ -277,8 +277,11 @@ class EngineConfig:
         if self.max_num_batched_tokens <= 0:
             _fail("max_num_batched_tokens", self.max_num_batched_tokens, "use a positive integer")
         if self.long_prefill_token_threshold is None:
-            chunked = self.enable_chunked_prefill
-            self.long_prefill_token_threshold = DEFAULT_LONG_PREFILL_TOKENS if chunked else 0
+            # One stage only: a balanced pipeline's micro-batches are small already
+            # (pp_microbatch_tokens), and --no-pp-balance stands for vLLM's scheduler before
+            # its PR #28768, whose default is no cap.
+            capped = self.enable_chunked_prefill and self.pipeline_parallel_size == 1
+            self.long_prefill_token_threshold = DEFAULT_LONG_PREFILL_TOKENS if capped else 0
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             _fail(
                 "max_num_batched_tokens",

@@ -48,7 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="most tokens of one prompt per step, which bounds the step a new request waits "
-        "behind (default 256 with chunked prefill; 0: no cap; "
+        "behind (default 256 at one stage with chunked prefill, else 0: no cap; "
         "while a short prompt waits, long prompts take at most the budget / "
         "(--max-num-partial-prefills + 1) anyway)",
     )
