@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from pipellm.model.cache_groups import CacheGroup, min_budget_blocks, sequence_blocks, split_cache
 from pipellm.loader.source import ModelSource, load_model_config, resolve_model
 from pipellm.loader.weights import check_gguf_tensor_parallel
+from pipellm.model.cache_groups import CacheGroup, min_budget_blocks, sequence_blocks, split_cache
 from pipellm.model.model_config import ModelConfig
 from pipellm.model.rope import SUPPORTED as ROPE_TYPES
 from pipellm.model.rope import rope_type

@@ -2,8 +2,8 @@
 budget split between groups (model/cache_groups.py, engine/block_manager.py)."""
 
 from pipellm.engine.block_manager import BlockManager
-from pipellm.model.cache_groups import NULL_BLOCK, CacheGroup, sequence_blocks, split_cache
 from pipellm.engine.request import Request
+from pipellm.model.cache_groups import NULL_BLOCK, CacheGroup, sequence_blocks, split_cache
 from pipellm.sampling_params import SamplingParams
 
 BS = 16

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pipellm.model.cache_groups import NULL_BLOCK, CacheGroup
 from pipellm.engine.request import Request
+from pipellm.model.cache_groups import NULL_BLOCK, CacheGroup
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
