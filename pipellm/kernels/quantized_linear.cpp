@@ -145,49 +145,54 @@ struct Q4_1Record {
 #endif
 };
 
-struct Q8_0Record {
-  static constexpr int64_t kDepth = kBlock;
-  static constexpr int64_t kBytes = kPanel * 2 + kBlock * kPanel;
+// The 16 columns at depth k of a record whose weights are int8 values(k) times the per-column
+// scale d (Q8_0, Q5_0): one conversion and one product each, gguf's own rounding. CRTP, so the
+// record's values() inlines into the templated kernel.
+template <class Record>
+struct ScaledInt8Columns {
   __m256 d0, d1;
-  const uint8_t* q;
-  explicit Q8_0Record(const uint8_t* record) {
-    d0 = half_to_float(record), d1 = half_to_float(record + 16);
 #if defined(__AVX512F__)
-    d = half16_to_float(record);
+  __m512 d;
 #endif
-    q = record + kPanel * 2;
+  explicit ScaledInt8Columns(const uint8_t* scales) {  // the panel's 16 float16 scales
+    d0 = half_to_float(scales), d1 = half_to_float(scales + 16);
+#if defined(__AVX512F__)
+    d = half16_to_float(scales);
+#endif
   }
   void at(int64_t k, __m256& w0, __m256& w1) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
-    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d0);
-    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), d1);
+    const __m128i v = static_cast<const Record*>(this)->values(k);
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), d1);
   }
 #if defined(__AVX512F__)
   void at(int64_t k, __m512& w) const {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
-    w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+    const __m128i v = static_cast<const Record*>(this)->values(k);
+    w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), d);
   }
-  __m512 d;
   void at(int64_t k, Columns& w) const { at(k, w.v); }
 #else
   void at(int64_t k, Columns& w) const { at(k, w.lo, w.hi); }
 #endif
 };
 
-struct Q5_0Record {
+struct Q8_0Record : ScaledInt8Columns<Q8_0Record> {
+  static constexpr int64_t kDepth = kBlock;
+  static constexpr int64_t kBytes = kPanel * 2 + kBlock * kPanel;
+  const uint8_t* q;
+  explicit Q8_0Record(const uint8_t* record) : ScaledInt8Columns(record), q(record + kPanel * 2) {}
+  __m128i values(int64_t k) const {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanel));
+  }
+};
+
+struct Q5_0Record : ScaledInt8Columns<Q5_0Record> {
   static constexpr int64_t kDepth = kBlock;
   static constexpr int64_t kBytes = kPanel * 2 + kBlock * kPanel / 2 + kBlock * 2;
-  __m256 d0, d1;
   const uint8_t* q;
   const uint8_t* high;
-  explicit Q5_0Record(const uint8_t* record) {
-    d0 = half_to_float(record), d1 = half_to_float(record + 16);
-#if defined(__AVX512F__)
-    d = half16_to_float(record);
-#endif
-    q = record + kPanel * 2;
-    high = q + kBlock * kPanel / 2;
-  }
+  explicit Q5_0Record(const uint8_t* record)
+      : ScaledInt8Columns(record), q(record + kPanel * 2), high(q + kBlock * kPanel / 2) {}
   // Columns 0-15 at depth k as int8 q - 16.
   __m128i values(int64_t k) const {
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -205,20 +210,6 @@ struct Q5_0Record {
         _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(0x10));
     return _mm_sub_epi8(_mm_or_si128(nibbles, fifth), _mm_set1_epi8(16));
   }
-  void at(int64_t k, __m256& w0, __m256& w1) const {
-    const __m128i v = values(k);
-    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d0);
-    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), d1);
-  }
-#if defined(__AVX512F__)
-  void at(int64_t k, __m512& w) const {
-    w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values(k))), d);
-  }
-  __m512 d;
-  void at(int64_t k, Columns& w) const { at(k, w.v); }
-#else
-  void at(int64_t k, Columns& w) const { at(k, w.lo, w.hi); }
-#endif
 };
 
 // A 256-deep Q4_K block of a panel. Per column d and dmin (float16); per 32 depths and column
