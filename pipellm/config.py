@@ -39,7 +39,7 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherw
 # The default cap on one prompt's chunk per step. A request arriving while a long prompt
 # prefills waits for the step under way and then shares one with it, so a step's length is its
 # time to first token; on CPU a 2048-token step takes seconds, 256 tokens a fraction of one
-# (docs/reliability.md, fair admission). vLLM takes 4% of max_model_len when it splits prompts
+# (docs/benchmarks.md, "Fair admission"). vLLM takes 4% of max_model_len when it splits prompts
 # (327 for an 8192-token context), sized for GPUs, whose steps are far shorter.
 # NOTE: --long-prefill-token-threshold's help states it (the CLI imports no torch).
 DEFAULT_LONG_PREFILL_TOKENS = 256
