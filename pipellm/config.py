@@ -41,7 +41,8 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache on CPU unless told otherw
 # time to first token; on CPU a 2048-token step takes seconds, 256 tokens a fraction of one
 # (docs/benchmarks.md, "Fair admission"). vLLM takes 4% of max_model_len when it splits prompts
 # (327 for an 8192-token context), sized for GPUs, whose steps are far shorter.
-# NOTE: --long-prefill-token-threshold's help states it (the CLI imports no torch).
+# NOTE: --long-prefill-token-threshold's help states it as text (the CLI imports no torch);
+# tests/test_fair_admission.py checks the two agree.
 DEFAULT_LONG_PREFILL_TOKENS = 256
 
 

@@ -127,3 +127,15 @@ def test_a_short_request_behind_an_8000_token_prompt_with_the_defaults(pp):
     finally:
         core.executor.shutdown()
     assert ttft_s <= TTFT_GOAL_S and ahead <= 2 * DEFAULT_LONG_PREFILL_TOKENS, (ttft_s, ahead)
+
+
+def test_the_cli_help_states_the_configs_default_threshold():
+    # The CLI states the default as text, because building its parser must not import torch.
+    import argparse
+
+    from pipellm.entrypoints.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    (action,) = [a for a in parser._actions if "--long-prefill-token-threshold" in a.option_strings]
+    assert f"default {DEFAULT_LONG_PREFILL_TOKENS} at one stage" in action.help
