@@ -10,6 +10,11 @@ random dataset, INPUT -> 32 tokens, concurrency 8), as vLLM's issue ran `vllm be
   no-balance+blocking      both off: vLLM before the fix
   balanced+cost            --pp-chunk-sizing cost: chunk sizes from the chunk-cost model
                            (pipellm/engine/chunk_cost.py); not run unless named in --setups
+  balanced+cost+blocking   the same with --pp-blocking-loop; not run unless named
+
+`--blocking-rows` adds the --pp-blocking-loop twin of every chosen setup that lacks one, so the
+three setups of the docs' table (balanced, no-balance, balanced+cost) run beside their blocking
+twins, all taking turns in one run.
 
 Configurations take turns (every input length, every configuration, then again for each
 --rounds), so machine noise hits all alike. Prints each run's `bench serve` table, then per
@@ -36,6 +41,13 @@ SETUPS = {
     "balanced+blocking": ["--pp-blocking-loop"],
     "no-balance+blocking": ["--no-pp-balance", "--pp-blocking-loop"],
     "balanced+cost": ["--pp-chunk-sizing", "cost"],
+    "balanced+cost+blocking": ["--pp-chunk-sizing", "cost", "--pp-blocking-loop"],
+}
+# Each setup's twin with the engine waiting for every micro-batch (the fix's second half off).
+BLOCKING_TWIN = {
+    "balanced": "balanced+blocking",
+    "no-balance": "no-balance+blocking",
+    "balanced+cost": "balanced+cost+blocking",
 }
 DEFAULT_SETUPS = ["balanced", "no-balance", "balanced+blocking", "no-balance+blocking"]
 OUTPUT_LEN = 32
@@ -83,6 +95,11 @@ def main() -> None:
         default=",".join(DEFAULT_SETUPS),
         help=f"comma-separated, of {', '.join(SETUPS)}",
     )
+    parser.add_argument(
+        "--blocking-rows",
+        action="store_true",
+        help="also run each chosen setup's --pp-blocking-loop twin, taking turns with it",
+    )
     parser.add_argument("--trace", action="store_true", help="write each server's stage trace")
     parser.add_argument("--out", help="results folder (default: a temp dir)")
     args = parser.parse_args()
@@ -90,6 +107,9 @@ def main() -> None:
     for setup in setups:
         if setup not in SETUPS:
             parser.error(f"--setups: unknown {setup!r}; choose from {', '.join(SETUPS)}")
+    if args.blocking_rows:
+        twins = [BLOCKING_TWIN[s] for s in setups if s in BLOCKING_TWIN]
+        setups = list(dict.fromkeys(setups + twins))
     input_lens = [int(n) for n in args.input_lens.split(",")]
     out = Path(args.out or tempfile.mkdtemp(prefix="pipellm-pp-fix-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -126,6 +146,11 @@ def main() -> None:
             ("balanced", "balanced+blocking"),
             ("balanced", "no-balance+blocking"),
             ("balanced+cost", "no-balance"),
+            # The first half (balancing) with the loop still blocking, and the second half
+            # (the non-blocking loop) with and without balancing.
+            ("balanced+blocking", "no-balance+blocking"),
+            ("no-balance", "no-balance+blocking"),
+            ("balanced+cost", "balanced+cost+blocking"),
         ]:
             if fixed in figures and broken in figures:
                 (rate_a, ttft_a), (rate_b, ttft_b) = figures[fixed], figures[broken]
