@@ -104,7 +104,7 @@ def _executor_with(stages: list[_Stage]) -> RayExecutor:
         for rank in range(len(stages))
     ]
     executor._pending, executor._pings, executor._idle_since = PendingOutputs(), [], None
-    executor._failing, executor._failed = threading.Lock(), False
+    executor._failing, executor._failed, executor._closed = threading.Lock(), False, False
     return executor
 
 

@@ -1,18 +1,21 @@
-"""What runs inside each stage's Ray actor: the same PipelineStage the mp backend runs, plus
-what a stage on another host must settle first (can it open the model, where does it live)."""
+"""What runs inside each stage's Ray actor: the same PipelineStage and schedule loop the mp
+backend runs, fed by its own channel from the engine (stage_channel.py), plus what a stage on
+another host must settle first (can it open the model, where does it live)."""
 
 from __future__ import annotations
 
 import os
 import socket
 import time
+import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Listener
 
 from pipellm.config import EngineConfig
-from pipellm.executor.step_loop import StepLoop
+from pipellm.executor import stage_channel
 from pipellm.loader.registry import find_preset
 from pipellm.loader.source import ModelNotFoundError, resolve_model
-from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.protocol import StageFailed
 from pipellm.worker.net import LOOPBACK, listening_socket
 from pipellm.worker.stage_memory import HostLimit, StageMemory, host_limit, plan_stage_memory
 
@@ -52,8 +55,8 @@ def config_for_this_host(config: EngineConfig, address: str) -> EngineConfig:
 
 class StageActor:
     """One pipeline stage, or one tensor-parallel rank of it, as a Ray actor (made remote by
-    the executor, with its resources and a `max_concurrency` above the micro-batches in
-    flight): `step` calls hand micro-batches to the stage's own loop (step_loop.py)."""
+    the executor, with its resources and a `max_concurrency` of `run` plus spare threads for
+    pings and clock reads): `run` serves the engine's channel for the actor's life."""
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
         import ray
@@ -62,7 +65,7 @@ class StageActor:
         self.address = ray.util.get_node_ip_address()
         self.listener: socket.socket | None = None
         self.stage = None
-        self.loop: StepLoop[SchedulerOutput, ModelOutput | None] | None = None
+        self.channel: Listener | None = None
 
     def locate(self) -> StageLocation:
         import ray
@@ -88,16 +91,37 @@ class StageActor:
         return self.listener.getsockname()[:2]
 
     def start(self, host: str, port: int, one_host: bool) -> None:
-        import torch
-
         from pipellm.worker.pipeline_stage import PipelineStage
         from pipellm.worker.process_group import Rendezvous
 
         local = LOOPBACK if one_host else self.address
         rendezvous = Rendezvous(host, port, local)
         self.stage = PipelineStage(self.config, self.rank, rendezvous, self.listener)
-        threads = self.config.threads_per_stage
-        self.loop = StepLoop(self.stage.step, on_start=lambda: torch.set_num_threads(threads))
+
+    def open_channel(self, authkey: bytes, near_engine: bool) -> tuple[str, int]:
+        """Listens for the engine's channel: on loopback when the engine shares this host."""
+        self.channel = stage_channel.listen(LOOPBACK if near_engine else self.address, authkey)
+        return self.channel.address
+
+    def run(self) -> None:
+        """Accepts the engine's channel and runs its micro-batches until the engine sends
+        None. A failure goes back on the channel first (the engine names this stage with it),
+        then out of this call, whose Ray result also fails if the actor or its host dies."""
+        import torch
+
+        conn = stage_channel.accept(self.channel)
+        try:
+            # This thread computes: torch's intra-op thread count is set per thread.
+            torch.set_num_threads(self.config.threads_per_stage)
+            stage_channel.serve_schedules(self.stage, conn)
+        except BaseException:
+            try:
+                conn.send(StageFailed(traceback.format_exc()))
+            except OSError:
+                pass  # the engine is gone, or went first
+            raise
+        finally:
+            conn.close()
 
     def clock(self) -> float:
         return time.time()
@@ -109,7 +133,3 @@ class StageActor:
         """Which communicator this rank's stage all-reduces over (ShmComm, GlooComm), if any."""
         comm = self.stage.comm if self.stage is not None else None
         return None if comm is None else type(comm).__name__
-
-    def step(self, number: int, scheduler_output: SchedulerOutput) -> ModelOutput | None:
-        """Micro-batch `number` (the executor counts from 0) through this stage; waits for it."""
-        return self.loop.submit(number, scheduler_output)
