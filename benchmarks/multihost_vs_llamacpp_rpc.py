@@ -200,7 +200,7 @@ def print_decode_breakdown(label: str, trace: Path) -> None:
     """Where a lone decode token's time goes, from the server's pipeline trace (stage times on
     the engine's clock): engine to stage 0, stage 0, the hop, stage 1, back to the engine, and
     the engine's own turn before it submits the next token. Medians over the micro-batches
-    of one request and one token, so run it with `--concurrency 1`."""
+    of one request and one token that ran alone (what concurrency 1 decodes)."""
     if not trace.exists():
         print(f"  {label}: no trace written ({trace})")
         return
@@ -216,7 +216,8 @@ def print_decode_breakdown(label: str, trace: Path) -> None:
     decodes = sorted(
         (args[name]["submitted_us"], name)
         for name in args
-        if args[name]["tokens"] == 1 and args[name]["requests"] == 1 and len(stages[name]) == 2
+        if (args[name]["tokens"], args[name]["requests"], args[name]["queue"]) == (1, 1, 1)
+        and len(stages[name]) == 2
     )
     parts: dict[str, list[float]] = {
         "to stage 0": [],
@@ -366,8 +367,7 @@ def main() -> None:
     parser.add_argument(
         "--trace",
         action="store_true",
-        help="print where a lone decode token's time goes in each pipellm configuration "
-        "(best with --concurrency 1)",
+        help="print where a lone decode token's time goes in each pipellm configuration",
     )
     args = parser.parse_args()
     source = resolve_model(args.model)
