@@ -139,6 +139,19 @@ class RayExecutor(RemoteStagesExecutor):
     def _open_channels(self, here: str) -> list[Any]:
         """Starts every actor's `run` and connects to its channel; a stage that fails or does
         not answer within STARTUP_TIMEOUT_S fails the start, named."""
+        niceness = self._wait_all(
+            [a.lift_priority.remote() for a in self.actors], "lift its priority"
+        )
+        for rank, left in enumerate(niceness):
+            if left is not None:
+                logger.warning(
+                    "%s (%s) runs at nice %d, as Ray started it, and yields its core to every "
+                    "other process of its host: start that host's Ray with RAY_worker_niceness=0 "
+                    "in its environment, or allow its user to lower a nice value (RLIMIT_NICE)",
+                    self._name(rank),
+                    self._where(rank),
+                    left,
+                )
         authkey = os.urandom(32)
         addresses = self._wait_all(
             [

@@ -98,6 +98,11 @@ class StageActor:
         rendezvous = Rendezvous(host, port, local)
         self.stage = PipelineStage(self.config, self.rank, rendezvous, self.listener)
 
+    def lift_priority(self) -> int | None:
+        """Undoes the nice value Ray starts its workers at; returns the value left where this
+        process may not lower it (no CAP_SYS_NICE, RLIMIT_NICE too low), else None."""
+        return normal_priority()
+
     def open_channel(self, authkey: bytes, near_engine: bool) -> tuple[str, int]:
         """Listens for the engine's channel: on loopback when the engine shares this host."""
         self.channel = stage_channel.listen(LOOPBACK if near_engine else self.address, authkey)
@@ -105,15 +110,20 @@ class StageActor:
 
     def run(self) -> None:
         """Accepts the engine's channel and runs its micro-batches until the engine sends
-        None. A failure goes back on the channel first (the engine names this stage with it),
-        then out of this call, whose Ray result also fails if the actor or its host dies."""
+        None or closes it. A failure goes back on the channel first (the engine names this
+        stage with it), then out of this call, whose Ray result also fails if the actor or its
+        host dies."""
         import torch
 
         conn = stage_channel.accept(self.channel)
         try:
-            # This thread computes: torch's intra-op thread count is set per thread.
+            # This thread computes: torch's intra-op thread count and (Linux) the nice value
+            # are set per thread, and the threads it starts inherit both.
+            normal_priority()
             torch.set_num_threads(self.config.threads_per_stage)
             stage_channel.serve_schedules(self.stage, conn)
+        except EOFError:
+            return  # the engine closed the channel: it is shutting down, or gone
         except BaseException:
             try:
                 conn.send(StageFailed(traceback.format_exc()))
@@ -133,3 +143,27 @@ class StageActor:
         """Which communicator this rank's stage all-reduces over (ShmComm, GlooComm), if any."""
         comm = self.stage.comm if self.stage is not None else None
         return None if comm is None else type(comm).__name__
+
+
+def normal_priority() -> int | None:
+    """Sets every thread of this process to nice 0; returns the nice value left where that is
+    not allowed, else None.
+
+    Ray starts its workers at nice 15 (its `worker_niceness` setting), so that its own daemons
+    come first; a stage at 15 also yields its core to every ordinary process of the host (an
+    API server, a compiler), and a pipeline runs at its slowest stage's pace. On Linux the nice
+    value belongs to each thread (setpriority(2)), so each one is set."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]  # not Linux: the process
+    left = None
+    for tid in threads:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except PermissionError:
+            left = os.getpriority(os.PRIO_PROCESS, tid)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+    return left
