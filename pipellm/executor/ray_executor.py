@@ -116,6 +116,7 @@ class RayExecutor(RemoteStagesExecutor):
                 0.0 if loc.node_id == here else _clock_offset(partial(_read_clock, actor))
                 for actor, loc in zip(self.actors, self.locations, strict=True)
             ]
+            self._lift_priorities()
             self.conns = self._open_channels(here)
         except BaseException:
             self.shutdown()
@@ -136,9 +137,9 @@ class RayExecutor(RemoteStagesExecutor):
         )
         self._reader.start()
 
-    def _open_channels(self, here: str) -> list[Any]:
-        """Starts every actor's `run` and connects to its channel; a stage that fails or does
-        not answer within STARTUP_TIMEOUT_S fails the start, named."""
+    def _lift_priorities(self) -> None:
+        """Every stage undoes the nice value Ray started it at (ray_stage.normal_priority);
+        one that may not is named in a warning, with the fix."""
         niceness = self._wait_all(
             [a.lift_priority.remote() for a in self.actors], "lift its priority"
         )
@@ -152,6 +153,10 @@ class RayExecutor(RemoteStagesExecutor):
                     self._where(rank),
                     left,
                 )
+
+    def _open_channels(self, here: str) -> list[Any]:
+        """Starts every actor's `run` and connects to its channel; a stage that fails or does
+        not answer within STARTUP_TIMEOUT_S fails the start, named."""
         authkey = os.urandom(32)
         addresses = self._wait_all(
             [
