@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,8 +113,8 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def pipellm_flags(args: argparse.Namespace) -> list[str]:
-    return [
+def pipellm_flags(args: argparse.Namespace, trace: Path | None) -> list[str]:
+    flags = [
         "serve",
         args.model_path,
         "-pp",
@@ -127,6 +128,7 @@ def pipellm_flags(args: argparse.Namespace) -> list[str]:
         "--port",
         str(SERVER_PORT),
     ]
+    return flags + (["--trace-file", str(trace)] if trace is not None else [])
 
 
 def healthy(url: str) -> bool:
@@ -139,7 +141,9 @@ def healthy(url: str) -> bool:
 
 def run_loads(args: argparse.Namespace, label: str, run: Callable, url: str, model: str) -> dict:
     results = {}
-    for concurrency, prompts in ((1, args.prompts_c1), (8, args.prompts_c8)):
+    prompts_at = {1: args.prompts_c1, 8: args.prompts_c8}
+    for concurrency in args.concurrency:
+        prompts = prompts_at[concurrency]
         out = Path(tempfile.mkdtemp(prefix="pipellm-mh-"))
         result = bench(run, url, model, args.model_path, concurrency, prompts, out)
         results[concurrency] = result
@@ -154,7 +158,8 @@ def run_loads(args: argparse.Namespace, label: str, run: Callable, url: str, mod
 def one_host(args: argparse.Namespace) -> dict:
     """pipellm -pp 2 on this host's cores (mp): the ceiling the cluster is held to."""
     log = Path(tempfile.mkdtemp(prefix="pipellm-mh-")) / "server.log"
-    flags = [f.format(host="127.0.0.1") for f in pipellm_flags(args)]
+    trace = log.with_name("trace.json") if args.trace else None
+    flags = [f.format(host="127.0.0.1") for f in pipellm_flags(args, trace)]
     with open(log, "wb") as sink:
         server = subprocess.Popen([*PIPELLM, *flags], stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{SERVER_PORT}"
@@ -167,12 +172,15 @@ def one_host(args: argparse.Namespace) -> dict:
         return run_loads(args, CONFIGS[0], run, url, args.model_path)
     finally:
         stop(server)
+        if trace is not None:
+            print_decode_breakdown(CONFIGS[0], trace)
 
 
 def two_hosts(args: argparse.Namespace, cluster: TwoHostCluster) -> dict:
     """pipellm -pp 2 on the cluster's Ray, one stage per host; the server on the first."""
     log = Path(tempfile.mkdtemp(prefix="pipellm-mh-")) / "server.log"
-    flags = [f.format(host=cluster.addresses[0]) for f in pipellm_flags(args)]
+    trace = log.with_name("trace.json") if args.trace else None
+    flags = [f.format(host=cluster.addresses[0]) for f in pipellm_flags(args, trace)]
     flags += ["--distributed-executor-backend", "ray"]
     with open(log, "wb") as sink:
         server = cluster.popen(
@@ -184,6 +192,57 @@ def two_hosts(args: argparse.Namespace, cluster: TwoHostCluster) -> dict:
         return run_loads(args, CONFIGS[1], client_runner(cluster), url, args.model_path)
     finally:
         stop(server)
+        if trace is not None:
+            print_decode_breakdown(CONFIGS[1], trace)
+
+
+def print_decode_breakdown(label: str, trace: Path) -> None:
+    """Where a lone decode token's time goes, from the server's pipeline trace (stage times on
+    the engine's clock): engine to stage 0, stage 0, the hop, stage 1, back to the engine, and
+    the engine's own turn before it submits the next token. Medians over the micro-batches
+    of one request and one token that ran alone (what concurrency 1 decodes)."""
+    if not trace.exists():
+        print(f"  {label}: no trace written ({trace})")
+        return
+    stages: dict[str, dict[int, tuple[float, float]]] = {}
+    args: dict[str, dict] = {}
+    for event in json.loads(trace.read_text())["traceEvents"]:
+        if event.get("ph") == "X":
+            stages.setdefault(event["name"], {})[event["tid"]] = (
+                event["ts"],
+                event["ts"] + event["dur"],
+            )
+            args[event["name"]] = event["args"]
+    decodes = sorted(
+        (args[name]["submitted_us"], name)
+        for name in args
+        if (args[name]["tokens"], args[name]["requests"], args[name]["queue"]) == (1, 1, 1)
+        and len(stages[name]) == 2
+    )
+    parts: dict[str, list[float]] = {
+        "to stage 0": [],
+        "stage 0": [],
+        "hop": [],
+        "stage 1": [],
+        "back": [],
+        "engine": [],
+    }
+    for (submitted, name), following in zip(decodes, decodes[1:] + [(None, None)], strict=True):
+        (start0, end0), (start1, end1) = stages[name][0], stages[name][1]
+        done = args[name]["done_us"]
+        parts["to stage 0"].append(start0 - submitted)
+        parts["stage 0"].append(end0 - start0)
+        parts["hop"].append(start1 - end0)
+        parts["stage 1"].append(end1 - start1)
+        parts["back"].append(done - end1)
+        if following[0] is not None and following[0] - done < 50_000:  # the same request's
+            parts["engine"].append(following[0] - done)
+    medians = {key: statistics.median(values) / 1e3 for key, values in parts.items() if values}
+    print(
+        f"  {label}, {len(decodes)} decode tokens, median ms: "
+        + ", ".join(f"{key} {value:.2f}" for key, value in medians.items()),
+        flush=True,
+    )
 
 
 def llamacpp_rpc(args: argparse.Namespace, cluster: TwoHostCluster) -> dict:
@@ -249,27 +308,38 @@ def client_healthy(cluster: TwoHostCluster, url: str) -> bool:
     return done.returncode == 0
 
 
-def table(results: dict[str, dict]) -> None:
+def table(rounds: list[dict[str, dict]]) -> None:
     print(f"\n{'configuration':<18} {'conc':>4} {'tok/s':>7} {'TPOT ms':>8} {'TTFT ms':>8} done")
-    for name, loads in results.items():
-        for concurrency, r in loads.items():
-            done = f"{r['completed']}/{r['completed'] + r['failed']}"
-            print(
-                f"{name:<18} {concurrency:>4} {r['output_throughput']:>7.1f} "
-                f"{r['mean_tpot_ms']:>8.1f} {r['mean_ttft_ms']:>8.1f} {done}"
-            )
-    one, two, rpc = (results.get(name) for name in CONFIGS)
+    for results in rounds:
+        for name, loads in results.items():
+            for concurrency, r in loads.items():
+                done = f"{r['completed']}/{r['completed'] + r['failed']}"
+                print(
+                    f"{name:<18} {concurrency:>4} {r['output_throughput']:>7.1f} "
+                    f"{r['mean_tpot_ms']:>8.1f} {r['mean_ttft_ms']:>8.1f} {done}"
+                )
     print()
-    if one and two:
-        ratio8 = two[8]["output_throughput"] / one[8]["output_throughput"]
-        ratio1 = two[1]["mean_tpot_ms"] / one[1]["mean_tpot_ms"]
-        print(f"two hosts / one host: concurrency 8 throughput {ratio8:.2f}x (goal >= 0.97x)")
-        print(f"two hosts / one host: concurrency 1 TPOT {ratio1:.2f}x (goal <= 1.05x)")
-    if two and rpc:
-        ratio = two[8]["output_throughput"] / rpc[8]["output_throughput"]
-        print(f"pipellm / llama.cpp RPC: concurrency 8 throughput {ratio:.2f}x (goal >= 3.5x)")
-        ratio1 = rpc[1]["mean_tpot_ms"] / two[1]["mean_tpot_ms"]
-        print(f"llama.cpp RPC / pipellm: concurrency 1 TPOT {ratio1:.2f}x")
+    for number, results in enumerate(rounds, 1):
+        prefix = f"round {number}: " if len(rounds) > 1 else ""
+        one, two, rpc = (results.get(name, {}) for name in CONFIGS)
+        if 8 in one and 8 in two:
+            ratio8 = two[8]["output_throughput"] / one[8]["output_throughput"]
+            print(
+                f"{prefix}two hosts / one host: concurrency 8 throughput {ratio8:.2f}x "
+                "(goal >= 0.97x)"
+            )
+        if 1 in one and 1 in two:
+            ratio1 = two[1]["mean_tpot_ms"] / one[1]["mean_tpot_ms"]
+            print(f"{prefix}two hosts / one host: concurrency 1 TPOT {ratio1:.2f}x (goal <= 1.05x)")
+        if 8 in two and 8 in rpc:
+            ratio = two[8]["output_throughput"] / rpc[8]["output_throughput"]
+            print(
+                f"{prefix}pipellm / llama.cpp RPC: concurrency 8 throughput {ratio:.2f}x "
+                "(goal >= 3.5x)"
+            )
+        if 1 in two and 1 in rpc:
+            ratio1 = rpc[1]["mean_tpot_ms"] / two[1]["mean_tpot_ms"]
+            print(f"{prefix}llama.cpp RPC / pipellm: concurrency 1 TPOT {ratio1:.2f}x")
 
 
 def main() -> None:
@@ -288,6 +358,17 @@ def main() -> None:
     parser.add_argument(
         "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="which to run"
     )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", choices=(1, 8), default=[1, 8], help="which loads"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the configurations this many times in turn"
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print where a lone decode token's time goes in each pipellm configuration",
+    )
     args = parser.parse_args()
     source = resolve_model(args.model)
     if source.kind != "gguf":
@@ -299,16 +380,20 @@ def main() -> None:
     if CONFIGS[2] in args.configs:
         llamacpp_tools.tools(args.llamacpp_build)  # built (or found) before anything is timed
     print(f"model {source.path}, {os.cpu_count()} cores, link {args.rate}", flush=True)
-    results: dict[str, dict] = {}
-    if CONFIGS[0] in args.configs:
-        results[CONFIGS[0]] = one_host(args)
-    if set(args.configs) - {CONFIGS[0]}:
-        with TwoHostCluster(num_cpus=1, rate=args.rate) as cluster:
-            if CONFIGS[1] in args.configs:
-                results[CONFIGS[1]] = two_hosts(args, cluster)
-            if CONFIGS[2] in args.configs:
-                results[CONFIGS[2]] = llamacpp_rpc(args, cluster)
-    table(results)
+    rounds: list[dict[str, dict]] = []
+    for _ in range(args.rounds):  # taking turns, so a load that comes and goes hits each
+        results: dict[str, dict] = {}
+        if CONFIGS[0] in args.configs:
+            results[CONFIGS[0]] = one_host(args)
+        if set(args.configs) - {CONFIGS[0]}:
+            # A fresh cluster a round, so the one-host runs share the machine with no Ray.
+            with TwoHostCluster(num_cpus=1, rate=args.rate) as cluster:
+                if CONFIGS[1] in args.configs:
+                    results[CONFIGS[1]] = two_hosts(args, cluster)
+                if CONFIGS[2] in args.configs:
+                    results[CONFIGS[2]] = llamacpp_rpc(args, cluster)
+        rounds.append(results)
+    table(rounds)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -17,7 +19,7 @@ from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.ray_cluster import rank_order, stage_order
 from pipellm.executor.ray_executor import RayExecutor, _clock_offset
-from pipellm.executor.ray_stage import StageLocation, config_for_this_host
+from pipellm.executor.ray_stage import StageLocation, config_for_this_host, normal_priority
 from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset
 from pipellm.loader.source import ModelNotFoundError
 from pipellm.worker.net import interface_of, listening_socket
@@ -104,7 +106,7 @@ def _executor_with(stages: list[_Stage]) -> RayExecutor:
         for rank in range(len(stages))
     ]
     executor._pending, executor._pings, executor._idle_since = PendingOutputs(), [], None
-    executor._failing, executor._failed = threading.Lock(), False
+    executor._failing, executor._failed, executor._closed = threading.Lock(), False, False
     return executor
 
 
@@ -130,3 +132,26 @@ def test_an_idle_stage_that_stops_answering_pings_fails_the_executor(monkeypatch
     busy = _executor_with([_Stage(answers=True), _Stage(answers=False)])
     busy._pending.add()
     check_for(busy, 0.5)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_a_stage_undoes_the_nice_value_ray_starts_its_workers_at():
+    """Every thread of the process, not only the caller: on Linux each has its own."""
+    niced, release, seen = threading.Event(), threading.Event(), []
+
+    def worker() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 15)  # raising: always allowed
+        niced.set()
+        release.wait(10)
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    niced.wait(10)
+    left = normal_priority()
+    release.set()
+    thread.join(10)
+    if os.geteuid() == 0:  # may lower a nice value
+        assert (left, seen) == (None, [0])
+    else:  # may not (unless RLIMIT_NICE allows): says so
+        assert left == seen[0] == 15 or (left, seen) == (None, [0])

@@ -30,6 +30,7 @@ from pipellm.config import EngineConfig
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.remote import RemoteStagesExecutor
+from pipellm.executor.stage_channel import serve_schedules
 from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady, one_line
 from pipellm.worker.net import LOOPBACK, free_port
 from pipellm.worker.stage_memory import LoadedStage, host_limit, log_host_memory
@@ -243,9 +244,6 @@ def exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-_NOT_YET = object()  # the engine has not sent the next schedule yet
-
-
 def stage_main(
     config: EngineConfig, rank: int, port: int, conn: Connection, parent_pid: int
 ) -> None:
@@ -261,17 +259,7 @@ def stage_main(
         conn.send(StageFailed(traceback.format_exc()))
         return
     try:
-        scheduler_output = pickle.loads(conn.recv_bytes())
-        while scheduler_output is not None:
-            # The next schedule, if the engine sent it already: the stage receives its inputs
-            # while it computes this one (PipelineStage._prefetch).
-            following = pickle.loads(conn.recv_bytes()) if conn.poll() else _NOT_YET
-            output = stage.step(scheduler_output, following if following is not _NOT_YET else None)
-            if output is not None:
-                conn.send(output)
-            if following is _NOT_YET:
-                following = pickle.loads(conn.recv_bytes())
-            scheduler_output = following
+        serve_schedules(stage, conn)
         stage.close()
     except BaseException:
         try:

@@ -3,36 +3,42 @@
 One actor per rank: with tensor parallelism T, each stage's T ranks are T actors (ranks
 numbered stage-major, as in the mp backend), each in its own placement-group bundle, a stage's
 bundles on one host where the cluster allows, so its all-reduces go through shared memory.
-Ray carries each SchedulerOutput, numbered, to every actor, whose own loop runs them in that
-order (step_loop.py); hidden states go stage to stage over torch.distributed as in the mp
-backend, and the last stage's rank 0 returns the micro-batch's ModelOutput. Which Ray, and
-where each rank runs, is ray_cluster's business. Startup, in phases that each fail fast and
-name the rank and host:
+Micro-batches travel as in the mp backend, only on TCP instead of pipes: the driver sends each
+SchedulerOutput to every actor over that actor's channel (stage_channel.py), hidden states go
+stage to stage over torch.distributed, and the last stage's rank 0 sends the micro-batch's
+ModelOutput back on its channel. Ray places and starts the actors, answers pings, and names a
+stage that died (each actor's long-running `run` call fails when its actor does). Which Ray,
+and where each rank runs, is ray_cluster's business. Startup, in phases that each fail fast
+and name the rank and host:
   1. every actor checks that its host can open the model and says where it runs;
   2. the first stage opens the rendezvous on its own host's address (loopback when all stages
      share one host) and the others join it;
-  3. the driver measures each stage's clock offset, so stage timings line up on its clock.
+  3. the driver measures each stage's clock offset, so stage timings line up on its clock;
+  4. the driver connects to each actor's channel, with a key only the actors got (by Ray).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pickle
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from pipellm.config import EngineConfig
-from pipellm.executor import ray_cluster
+from pipellm.executor import ray_cluster, stage_channel
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.ray_stage import StageActor, StageLocation
 from pipellm.executor.remote import RemoteStagesExecutor
-from pipellm.protocol import ModelOutput, SchedulerOutput, one_line
+from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, one_line
 from pipellm.worker.stage_memory import (
     HostLimit,
     StageMemory,
@@ -51,7 +57,7 @@ DIAGNOSE_TIMEOUT_S = 3.0  # a live stage answers a ping on a spare thread, besid
 # is gone, cut off or frozen, never a busy one. Ray itself takes 15-25 s to declare such a
 # host dead (its node health check), or forever for a frozen stage process.
 IDLE_PING_TIMEOUT_S = 5.0
-SPARE_ACTOR_THREADS = 4  # a stage actor's threads beyond its step calls: pings, clock reads
+SPARE_ACTOR_THREADS = 4  # a stage actor's threads beyond its `run` call: pings, clock reads
 
 
 class RayExecutor(RemoteStagesExecutor):
@@ -66,10 +72,6 @@ class RayExecutor(RemoteStagesExecutor):
         self._pending = PendingOutputs()
         self._closed = False
         self._failing, self._failed = threading.Lock(), False
-        self._submitted = 0  # micro-batches numbered from 0, the order every stage runs them in
-        self._arrived: dict[int, ModelOutput] = {}  # outputs that overtook an earlier one
-        self._delivered = 0
-        self._delivering = threading.Lock()
         self.actors: list[Any] = []
         self._held = _Held(ray_cluster.connect(self.num_ranks))
         # Stop the stages and a private Ray even if the owner forgets to call shutdown().
@@ -86,9 +88,8 @@ class RayExecutor(RemoteStagesExecutor):
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
                 max_restarts=0,
-                # Every in-flight micro-batch's step call waits on its own Ray thread while
-                # the stage's loop computes (step_loop.py); pings and clock reads need more.
-                max_concurrency=config.max_micro_batches_in_flight + SPARE_ACTOR_THREADS,
+                # `run` holds one thread for the actor's life; pings and clock reads need more.
+                max_concurrency=1 + SPARE_ACTOR_THREADS,
             )(StageActor)
             self.actors = [
                 actor_class.options(
@@ -115,6 +116,8 @@ class RayExecutor(RemoteStagesExecutor):
                 0.0 if loc.node_id == here else _clock_offset(partial(_read_clock, actor))
                 for actor, loc in zip(self.actors, self.locations, strict=True)
             ]
+            self._lift_priorities()
+            self.conns = self._open_channels(here)
         except BaseException:
             self.shutdown()
             raise
@@ -129,6 +132,63 @@ class RayExecutor(RemoteStagesExecutor):
             )
         self._pings: list[Future[Any]] = []
         self._idle_since: float | None = None  # when the unanswered ping round went out idle
+        self._reader = threading.Thread(
+            target=self._read_outputs, name="pipellm-ray-outputs", daemon=True
+        )
+        self._reader.start()
+
+    def _lift_priorities(self) -> None:
+        """Every stage undoes the nice value Ray started it at (ray_stage.normal_priority);
+        one that may not is named in a warning, with the fix."""
+        niceness = self._wait_all(
+            [a.lift_priority.remote() for a in self.actors], "lift its priority"
+        )
+        for rank, left in enumerate(niceness):
+            if left is not None:
+                logger.warning(
+                    "%s (%s) runs at nice %d, as Ray started it, and yields its core to every "
+                    "other process of its host: start that host's Ray with RAY_worker_niceness=0 "
+                    "in its environment, or allow its user to lower a nice value (RLIMIT_NICE)",
+                    self._name(rank),
+                    self._where(rank),
+                    left,
+                )
+
+    def _open_channels(self, here: str) -> list[Any]:
+        """Starts every actor's `run` and connects to its channel; a stage that fails or does
+        not answer within STARTUP_TIMEOUT_S fails the start, named."""
+        authkey = os.urandom(32)
+        addresses = self._wait_all(
+            [
+                actor.open_channel.remote(authkey, loc.node_id == here)
+                for actor, loc in zip(self.actors, self.locations, strict=True)
+            ],
+            "open its channel",
+        )
+        self._runs = [actor.run.remote() for actor in self.actors]
+        for rank, run in enumerate(self._runs):
+            run.future().add_done_callback(lambda f, rank=rank: self._run_ended(f, rank))
+        # Connecting blocks until the stage accepts: in threads, so a stage that never does
+        # fails the start after the timeout rather than hanging it.
+        pool = ThreadPoolExecutor(len(addresses), thread_name_prefix="pipellm-connect")
+        connecting = [pool.submit(stage_channel.connect, tuple(a), authkey) for a in addresses]
+        pool.shutdown(wait=False)
+        wait_futures(connecting, timeout=STARTUP_TIMEOUT_S)
+        conns = self._held.conns  # closed at release, even those of a start that fails
+        for rank, future in enumerate(connecting):
+            if not future.done():
+                raise WorkerDiedError(
+                    f"{self._name(rank)} ({self._where(rank)}) did not accept the driver's "
+                    f"channel within {STARTUP_TIMEOUT_S:g} s"
+                )
+            try:
+                conns.append(future.result())
+            except Exception as error:
+                raise WorkerDiedError(
+                    f"could not connect to {self._name(rank)} ({self._where(rank)}) at "
+                    f"{addresses[rank][0]}:{addresses[rank][1]}: {type(error).__name__}: {error}"
+                ) from error
+        return conns
 
     def _check_memory(self, plans: list[tuple[StageMemory, HostLimit]]) -> None:
         """Logs each stage's memory and each host's total, and fails before anything loads,
@@ -186,24 +246,67 @@ class RayExecutor(RemoteStagesExecutor):
         if future.done():
             return future
         self._idle_since = None  # the ping round now races steps: stop timing it
-        number, self._submitted = self._submitted, self._submitted + 1
-        refs = [actor.step.remote(number, scheduler_output) for actor in self.actors]
-        for rank, ref in enumerate(refs):
-            if rank != self.output_rank:
-                ref.future().add_done_callback(lambda f, rank=rank: self._check(f, rank))
-        refs[self.output_rank].future().add_done_callback(partial(self._deliver, number))
+        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError as error:
+                self._stage_failed(rank, f"could not send it a micro-batch: {error}")
+                break
         return future
 
-    def _check(self, done: Future[Any], rank: int) -> None:
-        if done.exception() is None:
+    def _read_outputs(self) -> None:
+        """Resolves futures in submission order from the output rank's channel; a stage's
+        failure message or closed channel fails the executor, naming the stage."""
+        from multiprocessing.connection import wait
+
+        watched = {conn: rank for rank, conn in enumerate(self.conns)}
+        while not self._closed and not self._pending.dead:
+            try:
+                ready = wait(list(watched), timeout=1.0)
+            except OSError:
+                return  # closed by shutdown
+            for conn in ready:
+                rank = watched[conn]
+                try:
+                    message = conn.recv()
+                except Exception as error:  # EOFError, OSError; or closed under it by shutdown
+                    if self._closed:
+                        return
+                    del watched[conn]
+                    detail = f" ({error})" if str(error) else ""
+                    self._stage_failed(rank, f"closed its channel to the driver{detail}")
+                    continue
+                if isinstance(message, StageFailed):
+                    logger.error("%s failed:\n%s", self._name(rank), message.traceback)
+                    self._stage_failed(rank, f"failed: {one_line(message.traceback, last=True)}")
+                elif isinstance(message, ModelOutput):
+                    self._deliver(message)
+
+    def _run_ended(self, done: Future[Any], rank: int) -> None:
+        """An actor's `run` call ended: by the actor's or its host's death, a failure (which
+        its channel usually told first), or a shutdown."""
+        if self._closed:
             return
+        error = done.exception()
+        if error is None:
+            self._stage_failed(rank, "stopped serving micro-batches")
+        else:
+            self._stage_failed(rank, f"failed: {_cause(error)}")
+
+    def _check(self, done: Future[Any], rank: int) -> None:
+        if done.exception() is not None:
+            self._stage_failed(rank, f"failed: {_cause(done.exception())}")
+
+    def _stage_failed(self, rank: int, what: str) -> None:
+        """Fails every pending micro-batch, once, naming the stage and what it did."""
         with self._failing:
-            if self._failed:
+            if self._failed or self._closed:
                 return
             self._failed = True
-        reason = f"{self._name(rank)} ({self._where(rank)}) failed: {_cause(done.exception())}"
+        reason = f"{self._name(rank)} ({self._where(rank)}) {what}"
         # A stage whose peer's host died fails first (its connection is reset): find the stage
-        # that is really gone, off Ray's callback thread, and name it too.
+        # that is really gone, off the caller's thread, and name it too.
         threading.Thread(target=self._fail_naming_the_dead, args=(reason,), daemon=True).start()
 
     def _fail_naming_the_dead(self, reason: str) -> None:
@@ -222,11 +325,7 @@ class RayExecutor(RemoteStagesExecutor):
                 gone.append(f"{self._name(rank)} ({self._where(rank)}) is gone: {_cause(error)}")
         self._pending.fail("; ".join([reason, *gone]))
 
-    def _deliver(self, number: int, done: Future[Any]) -> None:
-        if done.exception() is not None:
-            self._check(done, self.output_rank)
-            return
-        output: ModelOutput = done.result()
+    def _deliver(self, output: ModelOutput) -> None:
         # Each stage timed itself on its own clock: move every interval onto the driver's.
         # The times travel along the stages' rank 0s, as the hidden states to the sampler do.
         offsets = self.clock_offsets[:: self.tp_size]
@@ -234,13 +333,8 @@ class RayExecutor(RemoteStagesExecutor):
             (start - offset, end - offset)
             for (start, end), offset in zip(output.stage_times, offsets, strict=True)
         ]
-        # The last stage finishes micro-batches in order, but Ray may run the callbacks of two
-        # results that finish close together in either order: deliver them in order.
-        with self._delivering:
-            self._arrived[number] = output
-            while self._delivered in self._arrived:
-                self._pending.resolve_oldest(self._arrived.pop(self._delivered))
-                self._delivered += 1
+        # One channel, one stage loop: outputs arrive in submission order.
+        self._pending.resolve_oldest(output)
 
     def check_health(self) -> None:
         """Raises if a stage failed; pings every stage, so a stage whose host died while the
@@ -262,7 +356,7 @@ class RayExecutor(RemoteStagesExecutor):
 
     def _fail_silent_stages(self) -> None:
         with self._failing:
-            if self._failed:
+            if self._failed or self._closed:
                 return
             self._failed = True
         silent = [
@@ -283,12 +377,15 @@ class _Held:
     connection: ray_cluster.RayConnection
     actors: list[Any] = field(default_factory=list)
     group: Any = None
+    conns: list[Any] = field(default_factory=list)  # the driver's ends of the stage channels
 
 
 def _release(held: _Held) -> None:
     import ray
     from ray.util.placement_group import remove_placement_group
 
+    for conn in held.conns:  # a stage's loop ends at its channel's end
+        conn.close()
     for actor in held.actors:
         try:
             ray.kill(actor)

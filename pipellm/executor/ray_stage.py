@@ -1,18 +1,21 @@
-"""What runs inside each stage's Ray actor: the same PipelineStage the mp backend runs, plus
-what a stage on another host must settle first (can it open the model, where does it live)."""
+"""What runs inside each stage's Ray actor: the same PipelineStage and schedule loop the mp
+backend runs, fed by its own channel from the engine (stage_channel.py), plus what a stage on
+another host must settle first (can it open the model, where does it live)."""
 
 from __future__ import annotations
 
 import os
 import socket
 import time
+import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Listener
 
 from pipellm.config import EngineConfig
-from pipellm.executor.step_loop import StepLoop
+from pipellm.executor import stage_channel
 from pipellm.loader.registry import find_preset
 from pipellm.loader.source import ModelNotFoundError, resolve_model
-from pipellm.protocol import ModelOutput, SchedulerOutput
+from pipellm.protocol import StageFailed
 from pipellm.worker.net import LOOPBACK, listening_socket
 from pipellm.worker.stage_memory import HostLimit, StageMemory, host_limit, plan_stage_memory
 
@@ -52,8 +55,8 @@ def config_for_this_host(config: EngineConfig, address: str) -> EngineConfig:
 
 class StageActor:
     """One pipeline stage, or one tensor-parallel rank of it, as a Ray actor (made remote by
-    the executor, with its resources and a `max_concurrency` above the micro-batches in
-    flight): `step` calls hand micro-batches to the stage's own loop (step_loop.py)."""
+    the executor, with its resources and a `max_concurrency` of `run` plus spare threads for
+    pings and clock reads): `run` serves the engine's channel for the actor's life."""
 
     def __init__(self, config: EngineConfig, rank: int) -> None:
         import ray
@@ -62,7 +65,7 @@ class StageActor:
         self.address = ray.util.get_node_ip_address()
         self.listener: socket.socket | None = None
         self.stage = None
-        self.loop: StepLoop[SchedulerOutput, ModelOutput | None] | None = None
+        self.channel: Listener | None = None
 
     def locate(self) -> StageLocation:
         import ray
@@ -88,16 +91,47 @@ class StageActor:
         return self.listener.getsockname()[:2]
 
     def start(self, host: str, port: int, one_host: bool) -> None:
-        import torch
-
         from pipellm.worker.pipeline_stage import PipelineStage
         from pipellm.worker.process_group import Rendezvous
 
         local = LOOPBACK if one_host else self.address
         rendezvous = Rendezvous(host, port, local)
         self.stage = PipelineStage(self.config, self.rank, rendezvous, self.listener)
-        threads = self.config.threads_per_stage
-        self.loop = StepLoop(self.stage.step, on_start=lambda: torch.set_num_threads(threads))
+
+    def lift_priority(self) -> int | None:
+        """Undoes the nice value Ray starts its workers at; returns the value left where this
+        process may not lower it (no CAP_SYS_NICE, RLIMIT_NICE too low), else None."""
+        return normal_priority()
+
+    def open_channel(self, authkey: bytes, near_engine: bool) -> tuple[str, int]:
+        """Listens for the engine's channel: on loopback when the engine shares this host."""
+        self.channel = stage_channel.listen(LOOPBACK if near_engine else self.address, authkey)
+        return self.channel.address
+
+    def run(self) -> None:
+        """Accepts the engine's channel and runs its micro-batches until the engine sends
+        None or closes it. A failure goes back on the channel first (the engine names this
+        stage with it), then out of this call, whose Ray result also fails if the actor or its
+        host dies."""
+        import torch
+
+        conn = stage_channel.accept(self.channel)
+        try:
+            # This thread computes: torch's intra-op thread count and (Linux) the nice value
+            # are set per thread, and the threads it starts inherit both.
+            normal_priority()
+            torch.set_num_threads(self.config.threads_per_stage)
+            stage_channel.serve_schedules(self.stage, conn)
+        except EOFError:
+            return  # the engine closed the channel: it is shutting down, or gone
+        except BaseException:
+            try:
+                conn.send(StageFailed(traceback.format_exc()))
+            except OSError:
+                pass  # the engine is gone, or went first
+            raise
+        finally:
+            conn.close()
 
     def clock(self) -> float:
         return time.time()
@@ -110,6 +144,26 @@ class StageActor:
         comm = self.stage.comm if self.stage is not None else None
         return None if comm is None else type(comm).__name__
 
-    def step(self, number: int, scheduler_output: SchedulerOutput) -> ModelOutput | None:
-        """Micro-batch `number` (the executor counts from 0) through this stage; waits for it."""
-        return self.loop.submit(number, scheduler_output)
+
+def normal_priority() -> int | None:
+    """Sets every thread of this process to nice 0; returns the nice value left where that is
+    not allowed, else None.
+
+    Ray starts its workers at nice 15 (its `worker_niceness` setting), so that its own daemons
+    come first; a stage at 15 also yields its core to every ordinary process of the host (an
+    API server, a compiler), and a pipeline runs at its slowest stage's pace. On Linux the nice
+    value belongs to each thread (setpriority(2)), so each one is set."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]  # not Linux: the process
+    left = None
+    for tid in threads:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except PermissionError:
+            left = os.getpriority(os.PRIO_PROCESS, tid)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+    return left
