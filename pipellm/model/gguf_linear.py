@@ -200,10 +200,13 @@ def _panel_major(values: torch.Tensor) -> torch.Tensor:
     return values.view(panels, PANEL, *values.shape[1:]).movedim(1, -1).contiguous()
 
 
-def _bit_words(bits: torch.Tensor) -> torch.Tensor:
-    """[..., 16] of 0/1 -> [..., 1] int16 words, bit j from element j."""
-    words = (bits.to(torch.int32) << torch.arange(PANEL, dtype=torch.int32)).sum(-1, True)
-    return words.to(torch.int16)
+def _inverted_bit_bytes(bits: torch.Tensor) -> torch.Tensor:
+    """[P, B, 32 depths, 16 columns] of 0/1 -> [P, B, 4, 16] uint8: for depths 8 g..8 g + 7,
+    byte j holds 1 - column j's bit, depth 8 g + t at bit t (quantized_linear.cpp's Q5_0)."""
+    panels, num_blocks = bits.shape[:2]
+    inverted = (1 - bits.to(torch.int32)).view(panels, num_blocks, BLOCK // 8, 8, PANEL)
+    shifts = torch.arange(8, dtype=torch.int32).view(8, 1)
+    return (inverted << shifts).sum(-2).to(torch.uint8)
 
 
 def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
@@ -269,7 +272,7 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
     if weight.kind == GGMLQuantizationType.Q5_0:  # Q4_1's nibble pairs, then fifth bits
         low = q & 0x0F
         pairs = low[..., :8] | (low[..., 8:] << 4)
-        return _records(scales, pairs, _bit_words(q >> 4))
+        return _records(scales, pairs, _inverted_bit_bytes(q >> 4))
     return _records(scales, q)
 
 
