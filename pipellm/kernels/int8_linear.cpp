@@ -1,4 +1,4 @@
-// y = x W^T + b with W in GGUF Q4_1 or Q8_0 blocks and x rounded to int8 per 32 values, the
+// y = x W^T + b with W in GGUF Q4_1, Q8_0 or Q5_0 blocks and x rounded to int8 per 32 values, the
 // products summed in int32: the opt-in `quantization="gguf_int8"` path. With AVX-512 VNNI,
 // vpdpbusd takes four u8 x s8 products into an int32 lane per instruction; on AVX2 (and on
 // AVX-512 without VNNI) vpmaddubsw + vpmaddwd do the same in two steps, as llama.cpp's AVX2
@@ -24,7 +24,12 @@
 //   Q4_1: 16 float16 d, 16 float16 m, then 4 x 64 bytes: vector i, byte 4 j + t holds column
 //         j's q at depth 4 i + t (low nibble) and at depth 16 + 4 i + t (high nibble);
 //   Q8_0: 16 float16 d, then 8 x 64 bytes: vector g, byte 4 j + t = column j's q at depth
-//         4 g + t, plus 128.
+//         4 g + t, plus 128;
+//   Q5_0: 16 float16 d, then Q4_1's 4 x 64 bytes of low nibbles (of the 5-bit q in [0, 31],
+//         w = d (q - 16)), then per vector i, half h (its 32 bytes) and nibble n (low, high)
+//         a 32-bit word at 16 i + 8 h + 4 n whose bit b is the fifth bit of byte b's value:
+//         the file's 352 bytes per 16 x 32. sum(w x) ~ (d dx) (sum(q qx) - 16 sx).
+//         Only the AVX2 kernel takes it (the VNNI CPUs run that kernel for Q5_0).
 // The AVX2 kernel reads each 64-byte vector as two halves of 8 columns. Compiled into every
 // level's library; the VNNI kernel only into the AVX-512 one, with the VNNI instructions enabled
 // per function (an AVX-512 CPU without VNNI runs the AVX2 kernel there).
@@ -49,9 +54,13 @@ using pipellm_kernels::kPanel;
 using pipellm_kernels::PanelOutput;
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2;
 constexpr int64_t kQ4_1Bytes = 2 * kPanel * 2 + kBlock * kPanel / 2;  // 320
 constexpr int64_t kQ8_0Bytes = kPanel * 2 + kBlock * kPanel;          // 544
+constexpr int64_t kQ5_0Bytes = kPanel * 2 + kBlock * kPanel / 2 + kBlock * kPanel / 8;  // 352
+constexpr int64_t bytes_of(int64_t kind) {
+  return kind == kQ4_1 ? kQ4_1Bytes : kind == kQ8_0 ? kQ8_0Bytes : kQ5_0Bytes;
+}
 constexpr int64_t kRowsChunk = 256;      // rows of x (int8) a thread takes per pass at prefill
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the weight stream
 
@@ -259,20 +268,36 @@ bool cpu_has_vnni() {
 }
 #endif  // defined(__AVX512F__)
 
+// The 32-bit word at p, bit b -> byte b: 16 where set, 0 where clear (a Q5_0 fifth bit).
+inline __m256i sixteens(const uint8_t* p) {
+  int32_t bits;
+  __builtin_memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(bits),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                       3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                          _mm256_set1_epi8(16));
+}
+
 // The AVX2 kernel: rows [r0, r0 + R) times panels [p0, p0 + NP), each panel as two halves of
 // 8 columns (R x NP x 2 int32 and float32 accumulators: R x NP <= 3 fits the 16 registers).
 // vpmaddubsw multiplies u8 weights by s8 x and adds neighbouring pairs into int16, vpmaddwd
 // adds the int16 pairs into the int32 lane: a column's 4 depths per lane, as vpdpbusd.
 // Q4_1: a pair is at most 2 x 15 x 127, so a block's 8 pairs add up in int16 (<= 30480)
 // before one vpmaddwd. Q8_0: |w| times x carrying w's sign (vpsignb), at most 2 x 128 x 127 a
-// pair, widened at once; w = stored - 128, so no sum correction.
+// pair, widened at once; w = stored - 128, so no sum correction. Q5_0: a pair is at most
+// 2 x 31 x 127, so two vectors' pairs (4 a lane) add up in int16 (<= 31496) before vpmaddwd,
+// and the block's int32 sum less 16 sum(qx) is sum((q - 16) qx).
 template <int64_t Kind, int R, int NP>
 void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int64_t panel_bytes,
                      int64_t p0, int64_t blocks, const PanelOutput& y, const uint8_t* end) {
-  constexpr int64_t kBytes = Kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  constexpr int64_t kBytes = bytes_of(Kind);
   const int64_t depth = blocks * kBlock;
   const int8_t* q = xq.q + r0 * depth;
   const float* scale = xq.scale + r0 * blocks;
+  const int32_t* sum = xq.sum + r0 * blocks;
   const float* sum_dx = xq.sum_dx + r0 * blocks;
   __m256 acc[R][NP][2];
 #pragma GCC unroll 8
@@ -329,6 +354,52 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p)
           for (int h = 0; h < 2; ++h) dot[r][p][h] = _mm256_madd_epi16(pairs[r][p][h], ones);
+    } else if constexpr (Kind == kQ5_0) {
+      __m256i pairs[R][NP][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) {
+            pairs[r][p][h] = _mm256_setzero_si256();
+            dot[r][p][h] = _mm256_set1_epi32(-16 * sum[r * blocks + b]);
+          }
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m256i x_lo[R], x_hi[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t lo4, hi4;
+          __builtin_memcpy(&lo4, qb + r * depth + 4 * i, 4);
+          __builtin_memcpy(&hi4, qb + r * depth + 16 + 4 * i, 4);
+          x_lo[r] = _mm256_set1_epi32(lo4), x_hi[r] = _mm256_set1_epi32(hi4);
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* fifth = rec[p] + 32 + 256 + 16 * i + 8 * h;
+            const __m256i packed =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p] + 32 + 64 * i + 32 * h));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, low), sixteens(fifth));
+            const __m256i hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), sixteens(fifth + 4));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+              pairs[r][p][h] = _mm256_add_epi16(
+                  pairs[r][p][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo[r]),
+                                                   _mm256_maddubs_epi16(hi, x_hi[r])));
+          }
+        if (i % 2 == 1)
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int p = 0; p < NP; ++p)
+              for (int h = 0; h < 2; ++h) {
+                dot[r][p][h] =
+                    _mm256_add_epi32(dot[r][p][h], _mm256_madd_epi16(pairs[r][p][h], ones));
+                pairs[r][p][h] = _mm256_setzero_si256();
+              }
+      }
     } else {
       const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 8
@@ -402,10 +473,13 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
 #else
   constexpr bool use_vnni = false;
 #endif
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantized_linear_int8: kind 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0 || kind == kQ5_0,
+              "quantized_linear_int8: kind 0 (Q4_1), 1 (Q8_0) or 2 (Q5_0), not ", kind);
+  // The VNNI kernel has no Q5_0: the AVX2 one computes the same sums.
+  const bool vnni = use_vnni && kind != kQ5_0;
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear_int8: x must be a 2-D float32 CPU tensor");
-  const int64_t bytes = kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  const int64_t bytes = bytes_of(kind);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.size(2) == bytes && packed.size(1) * kBlock == input.size(1),
               "quantized_linear_int8: weight not packed by pack_int8_weight for this "
@@ -423,17 +497,18 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
       const int64_t count = std::min(m, c0 + kRowsChunk) - c0;
       // Rows in register blocks of near-equal size (5 = 3 + 2, not 4 + 1); panels at once as
       // many as the registers hold.
-      const int64_t max_rows = use_vnni ? kMaxRows : kMaxRowsAvx2;
+      const int64_t max_rows = vnni ? kMaxRows : kMaxRowsAvx2;
       const int64_t row_blocks = (count + max_rows - 1) / max_rows;
-      const int64_t np = use_vnni ? (count <= 2 ? 4 : 2) : (count == 1 ? 2 : 1);
+      const int64_t np = vnni ? (count <= 2 ? 4 : 2) : (count == 1 ? 2 : 1);
       for (int64_t p = first; p < last; p += np) {
         const int64_t n = std::min(np, last - p);
         for (int64_t i = 0, r = c0; i < row_blocks; ++i) {
           const int64_t rows = count / row_blocks + (i < count % row_blocks ? 1 : 0);
-          Int8BlockFn fn = kind == kQ4_1 ? int8_block_avx2_for<kQ4_1>(rows, n)
-                                         : int8_block_avx2_for<kQ8_0>(rows, n);
+          Int8BlockFn fn = kind == kQ4_1   ? int8_block_avx2_for<kQ4_1>(rows, n)
+                           : kind == kQ8_0 ? int8_block_avx2_for<kQ8_0>(rows, n)
+                                           : int8_block_avx2_for<kQ5_0>(rows, n);
 #if defined(__AVX512F__)
-          if (use_vnni)
+          if (vnni)
             fn = kind == kQ4_1 ? kInt8Block<kQ4_1>[rows - 1][n - 1]
                                : kInt8Block<kQ8_0>[rows - 1][n - 1];
 #endif

@@ -32,6 +32,8 @@ BLOCK = 32  # input rows per GGUF block
 _T = GGMLQuantizationType
 # GGUF type -> the repacking kernels' `kind` argument (quantized_linear.cpp, int8_linear.cpp).
 KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
+# The int8 repacked kernel (int8_linear.cpp) also takes Q5_0.
+INT8_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2}
 # The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
 # mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
 # So do Q6_K and Q4_K (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
@@ -289,6 +291,15 @@ def pack_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
     if mins is not None:  # depth 4 i + t in the low nibble, 16 + 4 i + t in the high
         nibbles = lanes(q[:, :, :16], 4) | (lanes(q[:, :, 16:], 4) << 4)
         return _records(scales, mins, nibbles)
+    if weight.kind == GGMLQuantizationType.Q5_0:  # Q4_1's nibbles, then their fifth bits
+        low, high = lanes(q[:, :, :16], 4), lanes(q[:, :, 16:], 4)  # [P, B, 4, 16, 4]
+        nibbles = (low & 0x0F) | ((high & 0x0F) << 4)
+        # [P, B, 4 (i), 2 (h: columns 0-7, 8-15), 2 (low, high nibble), 4 bytes, 8 bits]
+        fifth = torch.stack([low >> 4, high >> 4], dim=3)  # [P, B, 4, 2, 16, 4]
+        fifth = fifth.view(panels, num_blocks, 4, 2, 2, PANEL // 2 * 4).transpose(3, 4)
+        bits = fifth.reshape(panels, num_blocks, 4, 2, 2, 4, 8).to(torch.int32)
+        words = (bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+        return _records(scales, nibbles, words)
     shifted = (q.to(torch.int16) + 128).to(torch.uint8)  # vpdpbusd takes u8 weights
     return _records(scales, lanes(shifted, 8))
 
@@ -315,9 +326,13 @@ class QuantizedLinear(nn.Module):
         kernels = ops(level)
         # Q4_1 and Q8_0 (and Q5_0 on the exact path) take their repacked kernels; everything
         # else the stored blocks.
-        repacked = None if self.int8_activations else exact_repacked_weight(weight)
-        if self.int8_activations and isinstance(weight, QuantizedWeight):
-            repacked = weight if weight.kind in KERNEL_KINDS else None
+        repacked = exact_repacked_weight(weight)
+        if (
+            self.int8_activations
+            and repacked is not None
+            and repacked.kind not in INT8_KERNEL_KINDS
+        ):
+            repacked = None
         self.repacked = repacked is not None
         if repacked is not None:
             weight = repacked
