@@ -4,14 +4,14 @@ A decode step streams every weight once, so on a CPU its time is the weights' by
 memory bandwidth. Kept at 2.6-8.5 bits a weight instead of 32, the stream is 4-12x smaller.
 Q4_1, Q8_0, Q5_0, Q4_K and Q6_K matrices (the types of llama.cpp's Q4_0/Q4_K_M/Q6_K mixes but
 Q4_0) are repacked at load into panels of 16 interleaved rows for the exact kernel
-(pipellm/kernels/quantized_linear.cpp; Q4_1 and Q8_0 also for the int8 one), at their file size
-(Q4_K 3% more: its 6-bit scales unpacked); a fused q/k/v of Q5_0 and Q8_0 parts is widened to
-Q8_0 (the same products). Every other type the kernels take (GGUF_KERNEL_TYPES), and every
-type under int8 activations but Q4_1/Q8_0, computes on the file's row-major blocks as they are
-(pipellm/kernels/gguf_linear.cpp), and a fused q/k/v or gate/up whose parts the file stores in
-other mixes of types keeps each part in its own type. Both exact kernels are bit-identical to
-the float32 GEMM on the weights `gguf` dequantizes (see their headers for why), so the model
-computes exactly the same numbers, only faster; with int8 activations
+(pipellm/kernels/quantized_linear.cpp; Q4_1, Q8_0 and Q5_0 also for the int8 one), at their
+file size (Q4_K 3% more: its 6-bit scales unpacked); a fused q/k/v of Q5_0 and Q8_0 parts is
+widened to Q8_0 (the same products). Every other type the kernels take (GGUF_KERNEL_TYPES),
+and every type under int8 activations but Q4_1/Q8_0/Q5_0, computes on the file's row-major
+blocks as they are (pipellm/kernels/gguf_linear.cpp), and a fused q/k/v or gate/up whose parts
+the file stores in other mixes of types keeps each part in its own type. Both exact kernels
+are bit-identical to the float32 GEMM on the weights `gguf` dequantizes (see their headers for
+why), so the model computes exactly the same numbers, only faster; with int8 activations
 (`quantization="gguf_int8"`) x is rounded to 8 bits per 32 values, as llama.cpp's dot products
 do.
 """
@@ -324,8 +324,8 @@ class QuantizedLinear(nn.Module):
         self.kind = weight.kind
         self.int8_activations = int8_activations and has_int8_path(weight)
         kernels = ops(level)
-        # Q4_1 and Q8_0 (and Q5_0 on the exact path) take their repacked kernels; everything
-        # else the stored blocks.
+        # Q4_1, Q8_0 and Q5_0 (and Q4_K, Q6_K on the exact path) take their repacked kernels;
+        # everything else the stored blocks.
         repacked = exact_repacked_weight(weight)
         if (
             self.int8_activations
