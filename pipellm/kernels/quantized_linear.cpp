@@ -277,7 +277,7 @@ struct Q4_KRecord {
 // A 256-deep Q6_K block of a panel. Per column d (float16); per 16 depths and column an int8
 // scale; at each depth the 16 columns' low nibbles as Q4_1's pairs (8 bytes); then per 4
 // depths 16 bytes of high bits, byte j holding column j's two bits for depth 4 i + t at bits
-// 2 t (one shift and mask a depth). w = (d scale) (q - 32): d scale is exact in
+// 2 t (held in a register, shifted 2 bits a depth). w = (d scale) (q - 32): d scale is exact in
 // float32 (11 by 8 bits) and the product with q rounds once, as `gguf`'s two multiplies do.
 // The same bytes as the file's blocks (210 a column).
 struct Q6_KRecord {
@@ -297,18 +297,23 @@ struct Q6_KRecord {
   const int8_t* scales(int64_t k) const {
     return reinterpret_cast<const int8_t*>(record + kPanel * 2 + k / 16 * kPanel);
   }
+  // The current 4 depths' high bits, shifted right by 2 a depth: bits 0-1 of byte j are
+  // column j's at the next depth. values() is called for k = 0, 1, ... in order.
+  mutable __m128i high_bits;
   __m128i values(int64_t k) const {
     const uint8_t* q = record + kPanel * 2 + kDepth / 16 * kPanel + k * 8;
-    const uint8_t* h = record + kPanel * 2 + kDepth / 16 * kPanel + kDepth * 8 + k / 4 * kPanel;
     const __m128i low = _mm_set1_epi8(0x0F);
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
                                                _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-    const __m128i bits = _mm_and_si128(
-        _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)),
-                      _mm_cvtsi32_si128(static_cast<int>(2 * (k % 4)))),
-        _mm_set1_epi8(3));
-    return _mm_sub_epi8(_mm_or_si128(nibbles, _mm_slli_epi16(bits, 4)), _mm_set1_epi8(32));
+    if (k % 4 == 0) {
+      const uint8_t* h = record + kPanel * 2 + kDepth / 16 * kPanel + kDepth * 8 + k / 4 * kPanel;
+      high_bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+    }
+    // bits 0-1 of each byte to bits 4-5 (16-bit shifts: bits crossing bytes are masked)
+    const __m128i bits = _mm_and_si128(_mm_slli_epi16(high_bits, 4), _mm_set1_epi8(0x30));
+    high_bits = _mm_srli_epi16(high_bits, 2);
+    return _mm_sub_epi8(_mm_or_si128(nibbles, bits), _mm_set1_epi8(32));
   }
   // Called for k = 0, 1, ... in order: the scales change every 16 depths.
   void at(int64_t k, __m256& w0, __m256& w1) {
