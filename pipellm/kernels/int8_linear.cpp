@@ -29,7 +29,11 @@
 //         w = d (q - 16)), then per vector i, half h (its 32 bytes) and nibble n (low, high)
 //         a 32-bit word at 16 i + 8 h + 4 n whose bit b is the fifth bit of byte b's value:
 //         the file's 352 bytes per 16 x 32. sum(w x) ~ (d dx) (sum(q qx) - 16 sx).
-//         Only the AVX2 kernel takes it (the VNNI CPUs run that kernel for Q5_0).
+//   Q4_K: per panel and 256-deep block, 16 float16 d, 16 float16 dmin, 8 x 16 6-bit scales
+//         and 8 x 16 mins (sub-block, column; bytes), then per 32-deep sub-block s Q4_1's
+//         4 x 64 bytes of nibble lanes (2,368 bytes, as the exact kernel's record): sub-block
+//         s is a Q4_1 block with d' = d scale_s and m' = -(dmin min_s), folded in float32.
+//   Only the AVX2 kernel takes Q5_0 and Q4_K (the VNNI CPUs run that kernel for them).
 // The AVX2 kernel reads each 64-byte vector as two halves of 8 columns. Compiled into every
 // level's library; the VNNI kernel only into the AVX-512 one, with the VNNI instructions enabled
 // per function (an AVX-512 CPU without VNNI runs the AVX2 kernel there).
@@ -54,13 +58,17 @@ using pipellm_kernels::kPanel;
 using pipellm_kernels::PanelOutput;
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2;
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2, kQ4_K = 4;
 constexpr int64_t kQ4_1Bytes = 2 * kPanel * 2 + kBlock * kPanel / 2;  // 320
 constexpr int64_t kQ8_0Bytes = kPanel * 2 + kBlock * kPanel;          // 544
 constexpr int64_t kQ5_0Bytes = kPanel * 2 + kBlock * kPanel / 2 + kBlock * kPanel / 8;  // 352
+constexpr int64_t kQ4_KBytes = 2 * kPanel * 2 + 2 * 8 * kPanel + 256 * kPanel / 2;  // 2368
+constexpr int64_t kQ4_KHeader = kQ4_KBytes - 256 * kPanel / 2;  // d, dmin, scales, mins
 constexpr int64_t bytes_of(int64_t kind) {
-  return kind == kQ4_1 ? kQ4_1Bytes : kind == kQ8_0 ? kQ8_0Bytes : kQ5_0Bytes;
+  return kind == kQ4_1 ? kQ4_1Bytes : kind == kQ8_0 ? kQ8_0Bytes : kind == kQ5_0 ? kQ5_0Bytes
+                                                                               : kQ4_KBytes;
 }
+constexpr int64_t depth_of(int64_t kind) { return kind == kQ4_K ? 256 : kBlock; }
 constexpr int64_t kRowsChunk = 256;      // rows of x (int8) a thread takes per pass at prefill
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the weight stream
 
@@ -311,14 +319,23 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec[NP];
+    const uint8_t* nibbles[NP];  // Q4_1, Q4_K: the block's 4 x 64 bytes of nibble lanes
     __m256i dot[R][NP][2];
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
-      rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
-      prefetch_ahead(rec[p], kBytes, end);
+      if constexpr (Kind == kQ4_K) {  // rec: the 256-deep record's header
+        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
+        nibbles[p] = rec[p] + kQ4_KHeader + b % 8 * 256;
+        if (b % 8 == 0) prefetch_ahead(rec[p], kQ4_KHeader, end);
+        prefetch_ahead(nibbles[p], 256, end);
+      } else {
+        rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
+        nibbles[p] = rec[p] + 64;
+        prefetch_ahead(rec[p], kBytes, end);
+      }
     }
     const int8_t* qb = q + b * kBlock;
-    if constexpr (Kind == kQ4_1) {
+    if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
       __m256i pairs[R][NP][2];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
@@ -339,7 +356,7 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
         for (int p = 0; p < NP; ++p)
           for (int h = 0; h < 2; ++h) {
             const __m256i packed =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p] + 64 + 64 * i + 32 * h));
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles[p] + 64 * i + 32 * h));
             const __m256i lo = _mm256_and_si256(packed, low);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
 #pragma GCC unroll 8
@@ -434,17 +451,29 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
       for (int h = 0; h < 2; ++h) {
-        const __m256 d =
+        __m256 d =
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 16 * h)));
         __m256 mins = _mm256_setzero_ps();
         if constexpr (Kind == kQ4_1)
           mins = _mm256_cvtph_ps(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 32 + 16 * h)));
+        if constexpr (Kind == kQ4_K) {  // the sub-block's d scale and -(dmin min)
+          const __m256 dmin = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 32 + 16 * h)));
+          const uint8_t* sub = rec[p] + 64 + b % 8 * kPanel + 8 * h;
+          auto widen = [](const uint8_t* bytes) {
+            return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+          };
+          d = _mm256_mul_ps(d, widen(sub));
+          const __m256 minus_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
+          mins = _mm256_mul_ps(minus_dmin, widen(sub + 8 * kPanel));
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(scale[r * blocks + b]));
           acc[r][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][p][h]), ddx, acc[r][p][h]);
-          if constexpr (Kind == kQ4_1)
+          if constexpr (Kind == kQ4_1 || Kind == kQ4_K)
             acc[r][p][h] =
                 _mm256_fmadd_ps(mins, _mm256_set1_ps(sum_dx[r * blocks + b]), acc[r][p][h]);
         }
@@ -473,15 +502,15 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
 #else
   constexpr bool use_vnni = false;
 #endif
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0 || kind == kQ5_0,
-              "quantized_linear_int8: kind 0 (Q4_1), 1 (Q8_0) or 2 (Q5_0), not ", kind);
-  // The VNNI kernel has no Q5_0: the AVX2 one computes the same sums.
-  const bool vnni = use_vnni && kind != kQ5_0;
+  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0 || kind == kQ5_0 || kind == kQ4_K,
+              "quantized_linear_int8: kind 0 (Q4_1), 1 (Q8_0), 2 (Q5_0) or 4 (Q4_K), not ", kind);
+  // The VNNI kernel has no Q5_0 or Q4_K: the AVX2 one computes the same sums.
+  const bool vnni = use_vnni && (kind == kQ4_1 || kind == kQ8_0);
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear_int8: x must be a 2-D float32 CPU tensor");
   const int64_t bytes = bytes_of(kind);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == bytes && packed.size(1) * kBlock == input.size(1),
+                  packed.size(2) == bytes && packed.size(1) * depth_of(kind) == input.size(1),
               "quantized_linear_int8: weight not packed by pack_int8_weight for this "
               "in_features and kind");
   const int64_t panels = packed.size(0), m = input.size(0), depth = input.size(1);
@@ -506,7 +535,8 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
           const int64_t rows = count / row_blocks + (i < count % row_blocks ? 1 : 0);
           Int8BlockFn fn = kind == kQ4_1   ? int8_block_avx2_for<kQ4_1>(rows, n)
                            : kind == kQ8_0 ? int8_block_avx2_for<kQ8_0>(rows, n)
-                                           : int8_block_avx2_for<kQ5_0>(rows, n);
+                           : kind == kQ5_0 ? int8_block_avx2_for<kQ5_0>(rows, n)
+                                           : int8_block_avx2_for<kQ4_K>(rows, n);
 #if defined(__AVX512F__)
           if (vnni)
             fn = kind == kQ4_1 ? kInt8Block<kQ4_1>[rows - 1][n - 1]

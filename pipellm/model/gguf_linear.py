@@ -32,8 +32,8 @@ BLOCK = 32  # input rows per GGUF block
 _T = GGMLQuantizationType
 # GGUF type -> the repacking kernels' `kind` argument (quantized_linear.cpp, int8_linear.cpp).
 KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
-# The int8 repacked kernel (int8_linear.cpp) also takes Q5_0.
-INT8_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2}
+# The int8 repacked kernel (int8_linear.cpp) also takes Q5_0 and Q4_K.
+INT8_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q4_K: 4}
 # The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
 # mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
 # So do Q6_K and Q4_K (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
@@ -235,10 +235,9 @@ def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     return _records(d, scales, pairs, packed_high)
 
 
-def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
-    """Q4_K for the exact kernel (quantized_linear.cpp's Q4_KRecord): [panels, blocks of 256,
-    record]; per record 16 float16 d, 16 dmin, 8 x 16 scales and 8 x 16 mins (sub-block,
-    column; uint8), then per depth 8 bytes of nibble pairs."""
+def _q4_k_by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """Q4_K's (d, dmin, scales, mins, q) by panel: float16 [P, B, 16] twice, uint8 [P, B, 8
+    (sub-block), 16] twice, and q uint8 [P, B, 256 (depth), 16 (column)] in [0, 15]."""
     rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
     blocks = weight.blocks.view(rows, num_blocks, 144)
     # Value 64 c + 32 h + j: nibble h of byte 16 + 32 c + j; sub-block 2 c + h's 6-bit scale
@@ -249,14 +248,31 @@ def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     first, last = packed[..., 0:4], packed[..., 8:12]
     scales = torch.cat([first & 63, (last & 0x0F) | ((first >> 2) & 0x30)], dim=-1)
     mins = torch.cat([packed[..., 4:8] & 63, (last >> 4) | ((packed[..., 4:8] >> 2) & 0x30)], -1)
-    nibbles = _panel_major(q)  # [P, B, 256, 16]
-    return _records(
+    return (
         _panel_major(_float16(blocks[..., 0:2])),
         _panel_major(_float16(blocks[..., 2:4])),
         _panel_major(scales),
         _panel_major(mins),
-        nibbles[..., :8] | (nibbles[..., 8:] << 4),
+        _panel_major(q),
     )
+
+
+def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q4_K for the exact kernel (quantized_linear.cpp's Q4_KRecord): [panels, blocks of 256,
+    record]; per record 16 float16 d, 16 dmin, 8 x 16 scales and 8 x 16 mins (sub-block,
+    column; uint8), then per depth 8 bytes of nibble pairs."""
+    d, dmin, scales, mins, nibbles = _q4_k_by_panels(weight)
+    return _records(d, dmin, scales, mins, nibbles[..., :8] | (nibbles[..., 8:] << 4))
+
+
+def pack_q4_k_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q4_K for the int8 kernel (int8_linear.cpp): the exact record's d, dmin, scales and
+    mins, then per 32-deep sub-block Q4_1's 4 x 64 bytes of nibble lanes (2,368 bytes)."""
+    d, dmin, scales, mins, q = _q4_k_by_panels(weight)
+    panels, num_blocks = q.shape[:2]
+    # [P, B, 8 sub-blocks, 2 (depths 0-15, 16-31), 4 i, 4 t, 16 j] -> lanes (i, j, t)
+    q = q.view(panels, num_blocks, 8, 2, 4, 4, PANEL).transpose(-1, -2)
+    return _records(d, dmin, scales, mins, q[:, :, :, 0] | (q[:, :, :, 1] << 4))
 
 
 def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
@@ -281,6 +297,8 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
 def pack_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
     """The int8 kernel's layout (pipellm/kernels/int8_linear.cpp): per record, 4
     consecutive depths of a column in each 32-bit lane, as vpdpbusd multiplies them."""
+    if weight.kind == GGMLQuantizationType.Q4_K:
+        return pack_q4_k_int8_weight(weight)
     scales, mins, q = _by_panels(weight)
     panels, num_blocks = q.shape[:2]
 
