@@ -33,7 +33,13 @@
 //         and 8 x 16 mins (sub-block, column; bytes), then per 32-deep sub-block s Q4_1's
 //         4 x 64 bytes of nibble lanes (2,368 bytes, as the exact kernel's record): sub-block
 //         s is a Q4_1 block with d' = d scale_s and m' = -(dmin min_s), folded in float32.
-//   Only the AVX2 kernel takes Q5_0 and Q4_K (the VNNI CPUs run that kernel for them).
+//   Q6_K: per panel and 256-deep block, 16 float16 d, 16 x 16 int8 scales (16-deep sub-block,
+//         column), then per 32-deep block Q4_1's 4 x 64 bytes of nibble lanes (the 6-bit q's
+//         low 4 bits) and 4 x 32 bytes of high bits: per half h and nibble n, byte b holds
+//         for vector i the two high bits of byte b's value at bits 2 i (3,360 bytes, as the
+//         exact kernel's record). w = d scale (q - 32): the low nibbles are depths 0-15 of
+//         the block (one sub-block, one scale), the high nibbles depths 16-31 (the next).
+//   Only the AVX2 kernel takes Q5_0, Q4_K and Q6_K (the VNNI CPUs run that kernel for them).
 // The AVX2 kernel reads each 64-byte vector as two halves of 8 columns. Compiled into every
 // level's library; the VNNI kernel only into the AVX-512 one, with the VNNI instructions enabled
 // per function (an AVX-512 CPU without VNNI runs the AVX2 kernel there).
@@ -58,17 +64,25 @@ using pipellm_kernels::kPanel;
 using pipellm_kernels::PanelOutput;
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2, kQ4_K = 4;
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2, kQ6_K = 3, kQ4_K = 4;
 constexpr int64_t kQ4_1Bytes = 2 * kPanel * 2 + kBlock * kPanel / 2;  // 320
 constexpr int64_t kQ8_0Bytes = kPanel * 2 + kBlock * kPanel;          // 544
 constexpr int64_t kQ5_0Bytes = kPanel * 2 + kBlock * kPanel / 2 + kBlock * kPanel / 8;  // 352
 constexpr int64_t kQ4_KBytes = 2 * kPanel * 2 + 2 * 8 * kPanel + 256 * kPanel / 2;  // 2368
 constexpr int64_t kQ4_KHeader = kQ4_KBytes - 256 * kPanel / 2;  // d, dmin, scales, mins
+constexpr int64_t kQ6_KHeader = kPanel * 2 + 16 * kPanel;  // d, scales
+constexpr int64_t kQ6_KBlockBytes = kBlock * kPanel / 2 + kBlock * kPanel / 4;  // 256 + 128
+constexpr int64_t kQ6_KBytes = kQ6_KHeader + 8 * kQ6_KBlockBytes;  // 3360
 constexpr int64_t bytes_of(int64_t kind) {
-  return kind == kQ4_1 ? kQ4_1Bytes : kind == kQ8_0 ? kQ8_0Bytes : kind == kQ5_0 ? kQ5_0Bytes
-                                                                               : kQ4_KBytes;
+  switch (kind) {
+    case kQ4_1: return kQ4_1Bytes;
+    case kQ8_0: return kQ8_0Bytes;
+    case kQ5_0: return kQ5_0Bytes;
+    case kQ6_K: return kQ6_KBytes;
+    default: return kQ4_KBytes;
+  }
 }
-constexpr int64_t depth_of(int64_t kind) { return kind == kQ4_K ? 256 : kBlock; }
+constexpr int64_t depth_of(int64_t kind) { return kind == kQ4_K || kind == kQ6_K ? 256 : kBlock; }
 constexpr int64_t kRowsChunk = 256;      // rows of x (int8) a thread takes per pass at prefill
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the weight stream
 
@@ -328,6 +342,11 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
         nibbles[p] = rec[p] + kQ4_KHeader + b % 8 * 256;
         if (b % 8 == 0) prefetch_ahead(rec[p], kQ4_KHeader, end);
         prefetch_ahead(nibbles[p], 256, end);
+      } else if constexpr (Kind == kQ6_K) {
+        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
+        nibbles[p] = rec[p] + kQ6_KHeader + b % 8 * kQ6_KBlockBytes;
+        if (b % 8 == 0) prefetch_ahead(rec[p], kQ6_KHeader, end);
+        prefetch_ahead(nibbles[p], kQ6_KBlockBytes, end);
       } else {
         rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
         nibbles[p] = rec[p] + 64;
@@ -371,6 +390,78 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p)
           for (int h = 0; h < 2; ++h) dot[r][p][h] = _mm256_madd_epi16(pairs[r][p][h], ones);
+    } else if constexpr (Kind == kQ6_K) {
+      // pairs[..][n]: n = 0 the low nibbles' sub-block, 1 the high ones'. |w| <= 32, so a
+      // pair is at most 2 x 32 x 127 and the block's 4 vectors add up in int16 (<= 32512).
+      __m256i pairs[R][NP][2][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h)
+            pairs[r][p][h][0] = pairs[r][p][h][1] = _mm256_setzero_si256();
+      const __m256i high_mask = _mm256_set1_epi8(0x30), thirty_two = _mm256_set1_epi8(32);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m256i x_lo[R], x_hi[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t lo4, hi4;
+          __builtin_memcpy(&lo4, qb + r * depth + 4 * i, 4);
+          __builtin_memcpy(&hi4, qb + r * depth + 16 + 4 * i, 4);
+          x_lo[r] = _mm256_set1_epi32(lo4), x_hi[r] = _mm256_set1_epi32(hi4);
+        }
+        // vector i's two high bits (at bits 2 i) to bits 4-5
+        auto high_of = [&](const uint8_t* bytes) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+          const __m256i moved =
+              i < 2 ? _mm256_slli_epi16(v, 4 - 2 * i) : _mm256_srli_epi16(v, 2 * i - 4);
+          return _mm256_and_si256(moved, high_mask);
+        };
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i packed =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles[p] + 64 * i + 32 * h));
+            const uint8_t* high = nibbles[p] + 256 + 64 * h;
+            const __m256i lo = _mm256_sub_epi8(
+                _mm256_or_si256(_mm256_and_si256(packed, low), high_of(high)), thirty_two);
+            const __m256i hi = _mm256_sub_epi8(
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low),
+                                high_of(high + 32)),
+                thirty_two);
+            const __m256i lo_magnitude = _mm256_abs_epi8(lo), hi_magnitude = _mm256_abs_epi8(hi);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              pairs[r][p][h][0] = _mm256_add_epi16(
+                  pairs[r][p][h][0], _mm256_maddubs_epi16(lo_magnitude, _mm256_sign_epi8(x_lo[r], lo)));
+              pairs[r][p][h][1] = _mm256_add_epi16(
+                  pairs[r][p][h][1], _mm256_maddubs_epi16(hi_magnitude, _mm256_sign_epi8(x_hi[r], hi)));
+            }
+          }
+      }
+      // Each sub-block's int32 sums times its d scale dx.
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p)
+        for (int h = 0; h < 2; ++h) {
+          const __m256 d =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 16 * h)));
+          const uint8_t* scales = rec[p] + kPanel * 2 + 2 * (b % 8) * kPanel + 8 * h;
+          __m256 sub_scale[2];
+          for (int n = 0; n < 2; ++n)
+            sub_scale[n] = _mm256_mul_ps(
+                d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                       reinterpret_cast<const __m128i*>(scales + n * kPanel)))));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256 dx = _mm256_set1_ps(scale[r * blocks + b]);
+            for (int n = 0; n < 2; ++n)
+              acc[r][p][h] = _mm256_fmadd_ps(
+                  _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r][p][h][n], ones)),
+                  _mm256_mul_ps(sub_scale[n], dx), acc[r][p][h]);
+          }
+        }
+      continue;  // folded: the other types' fold below does not apply
     } else if constexpr (Kind == kQ5_0) {
       __m256i pairs[R][NP][2];
 #pragma GCC unroll 8
@@ -502,9 +593,9 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
 #else
   constexpr bool use_vnni = false;
 #endif
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0 || kind == kQ5_0 || kind == kQ4_K,
-              "quantized_linear_int8: kind 0 (Q4_1), 1 (Q8_0), 2 (Q5_0) or 4 (Q4_K), not ", kind);
-  // The VNNI kernel has no Q5_0 or Q4_K: the AVX2 one computes the same sums.
+  TORCH_CHECK(kind >= kQ4_1 && kind <= kQ4_K, "quantized_linear_int8: kind 0 (Q4_1), 1 (Q8_0), ",
+              "2 (Q5_0), 3 (Q6_K) or 4 (Q4_K), not ", kind);
+  // The VNNI kernel has only Q4_1 and Q8_0: the AVX2 one computes the same sums.
   const bool vnni = use_vnni && (kind == kQ4_1 || kind == kQ8_0);
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear_int8: x must be a 2-D float32 CPU tensor");
@@ -536,6 +627,7 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
           Int8BlockFn fn = kind == kQ4_1   ? int8_block_avx2_for<kQ4_1>(rows, n)
                            : kind == kQ8_0 ? int8_block_avx2_for<kQ8_0>(rows, n)
                            : kind == kQ5_0 ? int8_block_avx2_for<kQ5_0>(rows, n)
+                           : kind == kQ6_K ? int8_block_avx2_for<kQ6_K>(rows, n)
                                            : int8_block_avx2_for<kQ4_K>(rows, n);
 #if defined(__AVX512F__)
           if (vnni)

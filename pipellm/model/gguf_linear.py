@@ -32,8 +32,8 @@ BLOCK = 32  # input rows per GGUF block
 _T = GGMLQuantizationType
 # GGUF type -> the repacking kernels' `kind` argument (quantized_linear.cpp, int8_linear.cpp).
 KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
-# The int8 repacked kernel (int8_linear.cpp) also takes Q5_0 and Q4_K.
-INT8_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q4_K: 4}
+# The int8 repacked kernel (int8_linear.cpp) also takes Q5_0, Q6_K and Q4_K.
+INT8_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q6_K: 3, _T.Q4_K: 4}
 # The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
 # mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
 # So do Q6_K and Q4_K (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
@@ -211,10 +211,9 @@ def _inverted_bit_bytes(bits: torch.Tensor) -> torch.Tensor:
     return (inverted << shifts).sum(-2).to(torch.uint8)
 
 
-def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
-    """Q6_K for the exact kernel (quantized_linear.cpp's Q6_KRecord): [panels, blocks of 256,
-    record]; per record 16 float16 d, 16 x 16 int8 scales (sub-block, column), per depth 8
-    bytes of nibble pairs, then per 4 depths 16 bytes of high bits (column j's in byte j)."""
+def _q6_k_by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """Q6_K's (d, scales, q) by panel: float16 [P, B, 16], int8 [P, B, 16 (sub-block), 16],
+    q uint8 [P, B, 256 (depth), 16 (column)] in [0, 63] (w = d scale (q - 32))."""
     rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
     blocks = weight.blocks.view(rows, num_blocks, 210)
     # Value 128 h + 32 g + j: nibble of ql byte 64 h + 32 (g % 2) + j (the high one for g >= 2),
@@ -226,9 +225,17 @@ def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     q = _panel_major((low | (high << 4)).reshape(rows, num_blocks, 256))  # [P, B, 256, 16]
     scales = _panel_major(blocks[..., 192:208].contiguous().view(torch.int8))  # [P, B, 16, 16]
     d = _panel_major(_float16(blocks[..., 208:210]))  # [P, B, 16]
+    return d, scales, q
+
+
+def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q6_K for the exact kernel (quantized_linear.cpp's Q6_KRecord): [panels, blocks of 256,
+    record]; per record 16 float16 d, 16 x 16 int8 scales (sub-block, column), per depth 8
+    bytes of nibble pairs, then per 4 depths 16 bytes of high bits (column j's in byte j)."""
+    d, scales, q = _q6_k_by_panels(weight)
+    panels, num_blocks = q.shape[:2]
     nibbles = q & 0x0F
     pairs = nibbles[..., :8] | (nibbles[..., 8:] << 4)
-    panels = q.shape[0]
     high = (q >> 4).view(panels, num_blocks, 64, 4, PANEL)  # depth 4 i + t
     packed_high = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4)
     packed_high |= high[:, :, :, 3] << 6
@@ -265,6 +272,28 @@ def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     return _records(d, dmin, scales, mins, nibbles[..., :8] | (nibbles[..., 8:] << 4))
 
 
+def pack_q6_k_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q6_K for the int8 kernel (int8_linear.cpp): d and scales as the exact record, then per
+    32-deep block Q4_1's nibble lanes of the low 4 bits, and per half of 8 columns and nibble
+    32 bytes holding vector i's high 2 bits at bits 2 i (3,360 bytes per 16 x 256)."""
+    d, scales, q = _q6_k_by_panels(weight)
+    panels, num_blocks = q.shape[:2]
+    # [P, B, 8 blocks, 2 (depths 0-15, 16-31), 4 i, 4 t, 16 j] -> lanes (i, j, t)
+    q = q.view(panels, num_blocks, 8, 2, 4, 4, PANEL).transpose(-1, -2)
+    nibbles = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [P, B, 8, 4, 16, 4]
+    high = (q >> 4).reshape(panels, num_blocks, 8, 2, 4, 2, 8 * 4).to(torch.int32)
+    shifts = (2 * torch.arange(4, dtype=torch.int32)).view(4, 1, 1)
+    high = (high << shifts).sum(4).to(torch.uint8)  # [P, B, 8, 2 (nibble), 2 (half), 32]
+    per_block = torch.cat(
+        [
+            nibbles.reshape(panels, num_blocks, 8, -1),
+            high.transpose(3, 4).reshape(panels, num_blocks, 8, -1),
+        ],
+        dim=-1,
+    )
+    return _records(d, scales, per_block)
+
+
 def pack_q4_k_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
     """Q4_K for the int8 kernel (int8_linear.cpp): the exact record's d, dmin, scales and
     mins, then per 32-deep sub-block Q4_1's 4 x 64 bytes of nibble lanes (2,368 bytes)."""
@@ -299,6 +328,8 @@ def pack_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
     consecutive depths of a column in each 32-bit lane, as vpdpbusd multiplies them."""
     if weight.kind == GGMLQuantizationType.Q4_K:
         return pack_q4_k_int8_weight(weight)
+    if weight.kind == GGMLQuantizationType.Q6_K:
+        return pack_q6_k_int8_weight(weight)
     scales, mins, q = _by_panels(weight)
     panels, num_blocks = q.shape[:2]
 
