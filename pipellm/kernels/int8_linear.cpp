@@ -1,9 +1,9 @@
-// y = x W^T + b with W in GGUF Q4_1, Q8_0 or Q5_0 blocks and x rounded to int8 per 32 values, the
-// products summed in int32: the opt-in `quantization="gguf_int8"` path. With AVX-512 VNNI,
-// vpdpbusd takes four u8 x s8 products into an int32 lane per instruction; on AVX2 (and on
-// AVX-512 without VNNI) vpmaddubsw + vpmaddwd do the same in two steps, as llama.cpp's AVX2
-// dot products do. Both sum the same integers exactly and fold them into float32 with the same
-// operations per column, so the two give bit-identical results.
+// y = x W^T + b with W in GGUF Q4_1, Q8_0, Q5_0, Q4_K or Q6_K blocks and x rounded to int8
+// per 32 values, the products summed in int32: the opt-in `quantization="gguf_int8"` path.
+// With AVX-512 VNNI, vpdpbusd takes four u8 x s8 products into an int32 lane per instruction;
+// on AVX2 (and on AVX-512 without VNNI) vpmaddubsw + vpmaddwd do the same in two steps, as
+// llama.cpp's AVX2 dot products do. Both sum the same integers exactly and fold them into
+// float32 with the same operations per column, so the two give bit-identical results.
 //
 // Why: the exact path (quantized_linear.cpp) must widen every weight to float32 and run one
 // fused multiply-add per weight and row, so at one or two rows its time is the arithmetic, not
@@ -433,10 +433,12 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
             const __m256i lo_magnitude = _mm256_abs_epi8(lo), hi_magnitude = _mm256_abs_epi8(hi);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
-              pairs[r][p][h][0] = _mm256_add_epi16(
-                  pairs[r][p][h][0], _mm256_maddubs_epi16(lo_magnitude, _mm256_sign_epi8(x_lo[r], lo)));
-              pairs[r][p][h][1] = _mm256_add_epi16(
-                  pairs[r][p][h][1], _mm256_maddubs_epi16(hi_magnitude, _mm256_sign_epi8(x_hi[r], hi)));
+              const __m256i lo_products =
+                  _mm256_maddubs_epi16(lo_magnitude, _mm256_sign_epi8(x_lo[r], lo));
+              const __m256i hi_products =
+                  _mm256_maddubs_epi16(hi_magnitude, _mm256_sign_epi8(x_hi[r], hi));
+              pairs[r][p][h][0] = _mm256_add_epi16(pairs[r][p][h][0], lo_products);
+              pairs[r][p][h][1] = _mm256_add_epi16(pairs[r][p][h][1], hi_products);
             }
           }
       }

@@ -3,17 +3,16 @@
 A decode step streams every weight once, so on a CPU its time is the weights' bytes over the
 memory bandwidth. Kept at 2.6-8.5 bits a weight instead of 32, the stream is 4-12x smaller.
 Q4_1, Q8_0, Q5_0, Q4_K and Q6_K matrices (the types of llama.cpp's Q4_0/Q4_K_M/Q6_K mixes but
-Q4_0) are repacked at load into panels of 16 interleaved rows for the exact kernel
-(pipellm/kernels/quantized_linear.cpp; Q4_1, Q8_0 and Q5_0 also for the int8 one), at their
-file size (Q4_K 3% more: its 6-bit scales unpacked); a fused q/k/v of Q5_0 and Q8_0 parts is
-widened to Q8_0 (the same products). Every other type the kernels take (GGUF_KERNEL_TYPES),
-and every type under int8 activations but Q4_1/Q8_0/Q5_0, computes on the file's row-major
-blocks as they are (pipellm/kernels/gguf_linear.cpp), and a fused q/k/v or gate/up whose parts
-the file stores in other mixes of types keeps each part in its own type. Both exact kernels
-are bit-identical to the float32 GEMM on the weights `gguf` dequantizes (see their headers for
-why), so the model computes exactly the same numbers, only faster; with int8 activations
-(`quantization="gguf_int8"`) x is rounded to 8 bits per 32 values, as llama.cpp's dot products
-do.
+Q4_0) are repacked at load into panels of 16 interleaved rows, for the exact kernel
+(pipellm/kernels/quantized_linear.cpp) and the int8 one (int8_linear.cpp), at their file size
+(Q4_K 3% more: its 6-bit scales unpacked); a fused q/k/v of Q5_0 and Q8_0 parts is widened to
+Q8_0 (the same products). Every other type the kernels take (GGUF_KERNEL_TYPES) computes on
+the file's row-major blocks as they are (pipellm/kernels/gguf_linear.cpp), and a fused q/k/v
+or gate/up whose parts the file stores in other mixes of types keeps each part in its own
+type. Both exact kernels are bit-identical to the float32 GEMM on the weights `gguf`
+dequantizes (see their headers for why), so the model computes exactly the same numbers, only
+faster; with int8 activations (`quantization="gguf_int8"`) x is rounded to 8 bits per 32
+values, as llama.cpp's dot products do.
 """
 
 from __future__ import annotations
@@ -32,11 +31,9 @@ BLOCK = 32  # input rows per GGUF block
 _T = GGMLQuantizationType
 # GGUF type -> the repacking kernels' `kind` argument (quantized_linear.cpp, int8_linear.cpp).
 KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
-# The int8 repacked kernel (int8_linear.cpp) also takes Q5_0, Q6_K and Q4_K.
-INT8_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q6_K: 3, _T.Q4_K: 4}
-# The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
-# mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
-# So do Q6_K and Q4_K (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
+# Both repacked kernels also take Q5_0, the type llama.cpp's K-quant mixes fall back to for
+# rows whose width is not a multiple of 256 (most of a small model's), and Q6_K and Q4_K
+# (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
 EXACT_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q6_K: 3, _T.Q4_K: 4}
 # Every type the GGUF kernels take as stored (gguf_type_table.cpp; a test checks the two agree).
 GGUF_KERNEL_TYPES = frozenset(
@@ -373,15 +370,9 @@ class QuantizedLinear(nn.Module):
         self.kind = weight.kind
         self.int8_activations = int8_activations and has_int8_path(weight)
         kernels = ops(level)
-        # Q4_1, Q8_0 and Q5_0 (and Q4_K, Q6_K on the exact path) take their repacked kernels;
-        # everything else the stored blocks.
+        # Q4_1, Q8_0, Q5_0, Q4_K and Q6_K take their repacked kernels; everything else the
+        # stored blocks.
         repacked = exact_repacked_weight(weight)
-        if (
-            self.int8_activations
-            and repacked is not None
-            and repacked.kind not in INT8_KERNEL_KINDS
-        ):
-            repacked = None
         self.repacked = repacked is not None
         if repacked is not None:
             weight = repacked
