@@ -139,6 +139,33 @@ def test_q5_0_is_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kind
     assert torch.equal(layer(x), expected)
 
 
+@pytest.mark.parametrize(
+    "kinds",
+    [(T.Q5_0,), (T.Q5_0, T.Q8_0, T.Q5_0), (T.Q4_K,), (T.Q6_K,)],
+    ids=["Q5_0", "Q5_0+Q8_0", "Q4_K", "Q6_K"],
+)
+def test_int8_repacked_types_within_the_rounding_bound(kernel_level, kinds):
+    # Under int8 activations too: Q5_0 in its own 5.5-bit records, a q/k/v of Q5_0 and Q8_0
+    # parts widened to Q8_0, Q4_K and Q6_K in the exact kernel's record size (Q4_K's 6-bit
+    # scales as bytes: 64 more a record). 1-3 rows are the AVX2 kernel's register blocks.
+    parts = [weight_of(kind, 24, DEPTH, seed=i) for i, kind in enumerate(kinds)]
+    dequantized = torch.cat([d for _, d in parts])
+    weight = stack_rows([w for w, _ in parts])
+    layer = QuantizedLinear(weight, None, level=kernel_level, int8_activations=True)
+    assert layer.repacked and layer.int8_activations
+    assert layer.kernel_kind == (
+        1 if len(kinds) > 1 else {T.Q5_0: 2, T.Q6_K: 3, T.Q4_K: 4}[kinds[0]]
+    )
+    if len(kinds) == 1:
+        extra = 64 * 2 * 2 if kinds[0] == T.Q4_K else 0  # 2 panels x 2 records
+        assert layer.packed_weight.numel() == 32 * weight.blocks.shape[1] + extra
+    for rows in (1, 2, 3, 64):
+        x = torch.randn(rows, DEPTH, generator=torch.Generator().manual_seed(rows))
+        reference = (x.double() @ dequantized.double().T).float()
+        error = (layer(x) - reference).abs()
+        assert (error <= int8_error_bound(x, dequantized)).all()
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 64])
 @pytest.mark.parametrize("kind", [T.Q6_K, T.Q4_K], ids=lambda kind: kind.name)
 def test_k_quants_are_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kind):

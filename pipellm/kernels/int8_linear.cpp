@@ -1,9 +1,9 @@
-// y = x W^T + b with W in GGUF Q4_1 or Q8_0 blocks and x rounded to int8 per 32 values, the
-// products summed in int32: the opt-in `quantization="gguf_int8"` path. With AVX-512 VNNI,
-// vpdpbusd takes four u8 x s8 products into an int32 lane per instruction; on AVX2 (and on
-// AVX-512 without VNNI) vpmaddubsw + vpmaddwd do the same in two steps, as llama.cpp's AVX2
-// dot products do. Both sum the same integers exactly and fold them into float32 with the same
-// operations per column, so the two give bit-identical results.
+// y = x W^T + b with W in GGUF Q4_1, Q8_0, Q5_0, Q4_K or Q6_K blocks and x rounded to int8
+// per 32 values, the products summed in int32: the opt-in `quantization="gguf_int8"` path.
+// With AVX-512 VNNI, vpdpbusd takes four u8 x s8 products into an int32 lane per instruction;
+// on AVX2 (and on AVX-512 without VNNI) vpmaddubsw + vpmaddwd do the same in two steps, as
+// llama.cpp's AVX2 dot products do. Both sum the same integers exactly and fold them into
+// float32 with the same operations per column, so the two give bit-identical results.
 //
 // Why: the exact path (quantized_linear.cpp) must widen every weight to float32 and run one
 // fused multiply-add per weight and row, so at one or two rows its time is the arithmetic, not
@@ -24,7 +24,22 @@
 //   Q4_1: 16 float16 d, 16 float16 m, then 4 x 64 bytes: vector i, byte 4 j + t holds column
 //         j's q at depth 4 i + t (low nibble) and at depth 16 + 4 i + t (high nibble);
 //   Q8_0: 16 float16 d, then 8 x 64 bytes: vector g, byte 4 j + t = column j's q at depth
-//         4 g + t, plus 128.
+//         4 g + t, plus 128;
+//   Q5_0: 16 float16 d, then Q4_1's 4 x 64 bytes of low nibbles (of the 5-bit q in [0, 31],
+//         w = d (q - 16)), then per vector i, half h (its 32 bytes) and nibble n (low, high)
+//         a 32-bit word at 16 i + 8 h + 4 n whose bit b is the fifth bit of byte b's value:
+//         the file's 352 bytes per 16 x 32. sum(w x) ~ (d dx) (sum(q qx) - 16 sx).
+//   Q4_K: per panel and 256-deep block, 16 float16 d, 16 float16 dmin, 8 x 16 6-bit scales
+//         and 8 x 16 mins (sub-block, column; bytes), then per 32-deep sub-block s Q4_1's
+//         4 x 64 bytes of nibble lanes (2,368 bytes, as the exact kernel's record): sub-block
+//         s is a Q4_1 block with d' = d scale_s and m' = -(dmin min_s), folded in float32.
+//   Q6_K: per panel and 256-deep block, 16 float16 d, 16 x 16 int8 scales (16-deep sub-block,
+//         column), then per 32-deep block Q4_1's 4 x 64 bytes of nibble lanes (the 6-bit q's
+//         low 4 bits) and 4 x 32 bytes of high bits: per half h and nibble n, byte b holds
+//         for vector i the two high bits of byte b's value at bits 2 i (3,360 bytes, as the
+//         exact kernel's record). w = d scale (q - 32): the low nibbles are depths 0-15 of
+//         the block (one sub-block, one scale), the high nibbles depths 16-31 (the next).
+//   Only the AVX2 kernel takes Q5_0, Q4_K and Q6_K (the VNNI CPUs run that kernel for them).
 // The AVX2 kernel reads each 64-byte vector as two halves of 8 columns. Compiled into every
 // level's library; the VNNI kernel only into the AVX-512 one, with the VNNI instructions enabled
 // per function (an AVX-512 CPU without VNNI runs the AVX2 kernel there).
@@ -49,9 +64,25 @@ using pipellm_kernels::kPanel;
 using pipellm_kernels::PanelOutput;
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_1 = 0, kQ8_0 = 1;
+constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2, kQ6_K = 3, kQ4_K = 4;
 constexpr int64_t kQ4_1Bytes = 2 * kPanel * 2 + kBlock * kPanel / 2;  // 320
 constexpr int64_t kQ8_0Bytes = kPanel * 2 + kBlock * kPanel;          // 544
+constexpr int64_t kQ5_0Bytes = kPanel * 2 + kBlock * kPanel / 2 + kBlock * kPanel / 8;  // 352
+constexpr int64_t kQ4_KBytes = 2 * kPanel * 2 + 2 * 8 * kPanel + 256 * kPanel / 2;  // 2368
+constexpr int64_t kQ4_KHeader = kQ4_KBytes - 256 * kPanel / 2;  // d, dmin, scales, mins
+constexpr int64_t kQ6_KHeader = kPanel * 2 + 16 * kPanel;  // d, scales
+constexpr int64_t kQ6_KBlockBytes = kBlock * kPanel / 2 + kBlock * kPanel / 4;  // 256 + 128
+constexpr int64_t kQ6_KBytes = kQ6_KHeader + 8 * kQ6_KBlockBytes;  // 3360
+constexpr int64_t bytes_of(int64_t kind) {
+  switch (kind) {
+    case kQ4_1: return kQ4_1Bytes;
+    case kQ8_0: return kQ8_0Bytes;
+    case kQ5_0: return kQ5_0Bytes;
+    case kQ6_K: return kQ6_KBytes;
+    default: return kQ4_KBytes;
+  }
+}
+constexpr int64_t depth_of(int64_t kind) { return kind == kQ4_K || kind == kQ6_K ? 256 : kBlock; }
 constexpr int64_t kRowsChunk = 256;      // rows of x (int8) a thread takes per pass at prefill
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the weight stream
 
@@ -259,20 +290,36 @@ bool cpu_has_vnni() {
 }
 #endif  // defined(__AVX512F__)
 
+// The 32-bit word at p, bit b -> byte b: 16 where set, 0 where clear (a Q5_0 fifth bit).
+inline __m256i sixteens(const uint8_t* p) {
+  int32_t bits;
+  __builtin_memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(bits),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                       3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                          _mm256_set1_epi8(16));
+}
+
 // The AVX2 kernel: rows [r0, r0 + R) times panels [p0, p0 + NP), each panel as two halves of
 // 8 columns (R x NP x 2 int32 and float32 accumulators: R x NP <= 3 fits the 16 registers).
 // vpmaddubsw multiplies u8 weights by s8 x and adds neighbouring pairs into int16, vpmaddwd
 // adds the int16 pairs into the int32 lane: a column's 4 depths per lane, as vpdpbusd.
 // Q4_1: a pair is at most 2 x 15 x 127, so a block's 8 pairs add up in int16 (<= 30480)
 // before one vpmaddwd. Q8_0: |w| times x carrying w's sign (vpsignb), at most 2 x 128 x 127 a
-// pair, widened at once; w = stored - 128, so no sum correction.
+// pair, widened at once; w = stored - 128, so no sum correction. Q5_0: a pair is at most
+// 2 x 31 x 127, so two vectors' pairs (4 a lane) add up in int16 (<= 31496) before vpmaddwd,
+// and the block's int32 sum less 16 sum(qx) is sum((q - 16) qx).
 template <int64_t Kind, int R, int NP>
 void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int64_t panel_bytes,
                      int64_t p0, int64_t blocks, const PanelOutput& y, const uint8_t* end) {
-  constexpr int64_t kBytes = Kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  constexpr int64_t kBytes = bytes_of(Kind);
   const int64_t depth = blocks * kBlock;
   const int8_t* q = xq.q + r0 * depth;
   const float* scale = xq.scale + r0 * blocks;
+  const int32_t* sum = xq.sum + r0 * blocks;
   const float* sum_dx = xq.sum_dx + r0 * blocks;
   __m256 acc[R][NP][2];
 #pragma GCC unroll 8
@@ -286,14 +333,28 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec[NP];
+    const uint8_t* nibbles[NP];  // Q4_1, Q4_K: the block's 4 x 64 bytes of nibble lanes
     __m256i dot[R][NP][2];
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
-      rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
-      prefetch_ahead(rec[p], kBytes, end);
+      if constexpr (Kind == kQ4_K) {  // rec: the 256-deep record's header
+        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
+        nibbles[p] = rec[p] + kQ4_KHeader + b % 8 * 256;
+        if (b % 8 == 0) prefetch_ahead(rec[p], kQ4_KHeader, end);
+        prefetch_ahead(nibbles[p], 256, end);
+      } else if constexpr (Kind == kQ6_K) {
+        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
+        nibbles[p] = rec[p] + kQ6_KHeader + b % 8 * kQ6_KBlockBytes;
+        if (b % 8 == 0) prefetch_ahead(rec[p], kQ6_KHeader, end);
+        prefetch_ahead(nibbles[p], kQ6_KBlockBytes, end);
+      } else {
+        rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
+        nibbles[p] = rec[p] + 64;
+        prefetch_ahead(rec[p], kBytes, end);
+      }
     }
     const int8_t* qb = q + b * kBlock;
-    if constexpr (Kind == kQ4_1) {
+    if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
       __m256i pairs[R][NP][2];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
@@ -314,7 +375,7 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
         for (int p = 0; p < NP; ++p)
           for (int h = 0; h < 2; ++h) {
             const __m256i packed =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p] + 64 + 64 * i + 32 * h));
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles[p] + 64 * i + 32 * h));
             const __m256i lo = _mm256_and_si256(packed, low);
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
 #pragma GCC unroll 8
@@ -329,6 +390,126 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p)
           for (int h = 0; h < 2; ++h) dot[r][p][h] = _mm256_madd_epi16(pairs[r][p][h], ones);
+    } else if constexpr (Kind == kQ6_K) {
+      // pairs[..][n]: n = 0 the low nibbles' sub-block, 1 the high ones'. |w| <= 32, so a
+      // pair is at most 2 x 32 x 127 and the block's 4 vectors add up in int16 (<= 32512).
+      __m256i pairs[R][NP][2][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h)
+            pairs[r][p][h][0] = pairs[r][p][h][1] = _mm256_setzero_si256();
+      const __m256i high_mask = _mm256_set1_epi8(0x30), thirty_two = _mm256_set1_epi8(32);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m256i x_lo[R], x_hi[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t lo4, hi4;
+          __builtin_memcpy(&lo4, qb + r * depth + 4 * i, 4);
+          __builtin_memcpy(&hi4, qb + r * depth + 16 + 4 * i, 4);
+          x_lo[r] = _mm256_set1_epi32(lo4), x_hi[r] = _mm256_set1_epi32(hi4);
+        }
+        // vector i's two high bits (at bits 2 i) to bits 4-5
+        auto high_of = [&](const uint8_t* bytes) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+          const __m256i moved =
+              i < 2 ? _mm256_slli_epi16(v, 4 - 2 * i) : _mm256_srli_epi16(v, 2 * i - 4);
+          return _mm256_and_si256(moved, high_mask);
+        };
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i packed =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles[p] + 64 * i + 32 * h));
+            const uint8_t* high = nibbles[p] + 256 + 64 * h;
+            const __m256i lo = _mm256_sub_epi8(
+                _mm256_or_si256(_mm256_and_si256(packed, low), high_of(high)), thirty_two);
+            const __m256i hi = _mm256_sub_epi8(
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low),
+                                high_of(high + 32)),
+                thirty_two);
+            const __m256i lo_magnitude = _mm256_abs_epi8(lo), hi_magnitude = _mm256_abs_epi8(hi);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const __m256i lo_products =
+                  _mm256_maddubs_epi16(lo_magnitude, _mm256_sign_epi8(x_lo[r], lo));
+              const __m256i hi_products =
+                  _mm256_maddubs_epi16(hi_magnitude, _mm256_sign_epi8(x_hi[r], hi));
+              pairs[r][p][h][0] = _mm256_add_epi16(pairs[r][p][h][0], lo_products);
+              pairs[r][p][h][1] = _mm256_add_epi16(pairs[r][p][h][1], hi_products);
+            }
+          }
+      }
+      // Each sub-block's int32 sums times its d scale dx.
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p)
+        for (int h = 0; h < 2; ++h) {
+          const __m256 d =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 16 * h)));
+          const uint8_t* scales = rec[p] + kPanel * 2 + 2 * (b % 8) * kPanel + 8 * h;
+          __m256 sub_scale[2];
+          for (int n = 0; n < 2; ++n)
+            sub_scale[n] = _mm256_mul_ps(
+                d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                       reinterpret_cast<const __m128i*>(scales + n * kPanel)))));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256 dx = _mm256_set1_ps(scale[r * blocks + b]);
+            for (int n = 0; n < 2; ++n)
+              acc[r][p][h] = _mm256_fmadd_ps(
+                  _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[r][p][h][n], ones)),
+                  _mm256_mul_ps(sub_scale[n], dx), acc[r][p][h]);
+          }
+        }
+      continue;  // folded: the other types' fold below does not apply
+    } else if constexpr (Kind == kQ5_0) {
+      __m256i pairs[R][NP][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) {
+            pairs[r][p][h] = _mm256_setzero_si256();
+            dot[r][p][h] = _mm256_set1_epi32(-16 * sum[r * blocks + b]);
+          }
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        __m256i x_lo[R], x_hi[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t lo4, hi4;
+          __builtin_memcpy(&lo4, qb + r * depth + 4 * i, 4);
+          __builtin_memcpy(&hi4, qb + r * depth + 16 + 4 * i, 4);
+          x_lo[r] = _mm256_set1_epi32(lo4), x_hi[r] = _mm256_set1_epi32(hi4);
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) {
+            const uint8_t* fifth = rec[p] + 32 + 256 + 16 * i + 8 * h;
+            const __m256i packed =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p] + 32 + 64 * i + 32 * h));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(packed, low), sixteens(fifth));
+            const __m256i hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), sixteens(fifth + 4));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+              pairs[r][p][h] = _mm256_add_epi16(
+                  pairs[r][p][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo[r]),
+                                                   _mm256_maddubs_epi16(hi, x_hi[r])));
+          }
+        if (i % 2 == 1)
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int p = 0; p < NP; ++p)
+              for (int h = 0; h < 2; ++h) {
+                dot[r][p][h] =
+                    _mm256_add_epi32(dot[r][p][h], _mm256_madd_epi16(pairs[r][p][h], ones));
+                pairs[r][p][h] = _mm256_setzero_si256();
+              }
+      }
     } else {
       const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 8
@@ -363,17 +544,29 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
       for (int h = 0; h < 2; ++h) {
-        const __m256 d =
+        __m256 d =
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 16 * h)));
         __m256 mins = _mm256_setzero_ps();
         if constexpr (Kind == kQ4_1)
           mins = _mm256_cvtph_ps(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 32 + 16 * h)));
+        if constexpr (Kind == kQ4_K) {  // the sub-block's d scale and -(dmin min)
+          const __m256 dmin = _mm256_cvtph_ps(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[p] + 32 + 16 * h)));
+          const uint8_t* sub = rec[p] + 64 + b % 8 * kPanel + 8 * h;
+          auto widen = [](const uint8_t* bytes) {
+            return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+          };
+          d = _mm256_mul_ps(d, widen(sub));
+          const __m256 minus_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f));
+          mins = _mm256_mul_ps(minus_dmin, widen(sub + 8 * kPanel));
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(scale[r * blocks + b]));
           acc[r][p][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][p][h]), ddx, acc[r][p][h]);
-          if constexpr (Kind == kQ4_1)
+          if constexpr (Kind == kQ4_1 || Kind == kQ4_K)
             acc[r][p][h] =
                 _mm256_fmadd_ps(mins, _mm256_set1_ps(sum_dx[r * blocks + b]), acc[r][p][h]);
         }
@@ -402,12 +595,15 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
 #else
   constexpr bool use_vnni = false;
 #endif
-  TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "quantized_linear_int8: kind 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(kind >= kQ4_1 && kind <= kQ4_K, "quantized_linear_int8: kind 0 (Q4_1), 1 (Q8_0), ",
+              "2 (Q5_0), 3 (Q6_K) or 4 (Q4_K), not ", kind);
+  // The VNNI kernel has only Q4_1 and Q8_0: the AVX2 one computes the same sums.
+  const bool vnni = use_vnni && (kind == kQ4_1 || kind == kQ8_0);
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear_int8: x must be a 2-D float32 CPU tensor");
-  const int64_t bytes = kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  const int64_t bytes = bytes_of(kind);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
-                  packed.size(2) == bytes && packed.size(1) * kBlock == input.size(1),
+                  packed.size(2) == bytes && packed.size(1) * depth_of(kind) == input.size(1),
               "quantized_linear_int8: weight not packed by pack_int8_weight for this "
               "in_features and kind");
   const int64_t panels = packed.size(0), m = input.size(0), depth = input.size(1);
@@ -423,17 +619,20 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
       const int64_t count = std::min(m, c0 + kRowsChunk) - c0;
       // Rows in register blocks of near-equal size (5 = 3 + 2, not 4 + 1); panels at once as
       // many as the registers hold.
-      const int64_t max_rows = use_vnni ? kMaxRows : kMaxRowsAvx2;
+      const int64_t max_rows = vnni ? kMaxRows : kMaxRowsAvx2;
       const int64_t row_blocks = (count + max_rows - 1) / max_rows;
-      const int64_t np = use_vnni ? (count <= 2 ? 4 : 2) : (count == 1 ? 2 : 1);
+      const int64_t np = vnni ? (count <= 2 ? 4 : 2) : (count == 1 ? 2 : 1);
       for (int64_t p = first; p < last; p += np) {
         const int64_t n = std::min(np, last - p);
         for (int64_t i = 0, r = c0; i < row_blocks; ++i) {
           const int64_t rows = count / row_blocks + (i < count % row_blocks ? 1 : 0);
-          Int8BlockFn fn = kind == kQ4_1 ? int8_block_avx2_for<kQ4_1>(rows, n)
-                                         : int8_block_avx2_for<kQ8_0>(rows, n);
+          Int8BlockFn fn = kind == kQ4_1   ? int8_block_avx2_for<kQ4_1>(rows, n)
+                           : kind == kQ8_0 ? int8_block_avx2_for<kQ8_0>(rows, n)
+                           : kind == kQ5_0 ? int8_block_avx2_for<kQ5_0>(rows, n)
+                           : kind == kQ6_K ? int8_block_avx2_for<kQ6_K>(rows, n)
+                                           : int8_block_avx2_for<kQ4_K>(rows, n);
 #if defined(__AVX512F__)
-          if (use_vnni)
+          if (vnni)
             fn = kind == kQ4_1 ? kInt8Block<kQ4_1>[rows - 1][n - 1]
                                : kInt8Block<kQ8_0>[rows - 1][n - 1];
 #endif

@@ -18,9 +18,12 @@
 //         32 x 8 bytes: at depth k, byte j holds
 //         column j's q in its low nibble and column j + 8's in its high nibble;
 //   Q8_0: 16 float16 scales d, then 32 x 16 int8 q, column j at byte j;
-//   Q5_0: 16 float16 scales d, then 32 x 8 bytes of low nibbles as Q4_1's, then 32 x 2 bytes:
-//         at depth k, bit j of the 16-bit word is column j's fifth bit; w = d (q - 16), which
-//         like Q8_0's d q is one exact product (the same size in memory as the file's blocks).
+//   Q5_0: 16 float16 scales d, then 32 x 8 bytes of low nibbles as Q4_1's, then 4 x 16 bytes:
+//         for depths 8 g..8 g + 7, byte j holds column j's fifth bits INVERTED, depth 8 g + t
+//         at bit t; w = d (q - 16) = d (low - 16 (1 - fifth)), which like Q8_0's d q is one
+//         exact product (the same size in memory as the file's blocks). One shift and mask a
+//         depth take the bit out, where a 16-bit word per depth took a broadcast, a shuffle
+//         and a compare.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -191,6 +194,9 @@ struct Q5_0Record : ScaledInt8Columns<Q5_0Record> {
   static constexpr int64_t kBytes = kPanel * 2 + kBlock * kPanel / 2 + kBlock * 2;
   const uint8_t* q;
   const uint8_t* high;
+  // The current 8 depths' inverted fifth bits, shifted right once a depth: bit 0 of byte j is
+  // column j's at the next depth. values() is called for k = 0, 1, ... in order.
+  mutable __m128i bits;
   explicit Q5_0Record(const uint8_t* record)
       : ScaledInt8Columns(record), q(record + kPanel * 2), high(q + kBlock * kPanel / 2) {}
   // Columns 0-15 at depth k as int8 q - 16.
@@ -199,16 +205,11 @@ struct Q5_0Record : ScaledInt8Columns<Q5_0Record> {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 8));
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
                                                _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-    uint16_t bits;
-    __builtin_memcpy(&bits, high + 2 * k, 2);
-    // byte j <- bit j of bits: spread the word's two bytes over 8 lanes each, keep one bit
-    const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi16(static_cast<int16_t>(bits)),
-                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
-                                                          1, 1, 1, 1));
-    const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-    const __m128i fifth =
-        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(0x10));
-    return _mm_sub_epi8(_mm_or_si128(nibbles, fifth), _mm_set1_epi8(16));
+    if (k % 8 == 0) bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + 2 * k));
+    // bit 0 of each byte to bit 4 (16-bit shifts: bits crossing into the next byte are masked)
+    const __m128i sixteen = _mm_and_si128(_mm_slli_epi16(bits, 4), _mm_set1_epi8(0x10));
+    bits = _mm_srli_epi16(bits, 1);
+    return _mm_sub_epi8(nibbles, sixteen);
   }
 };
 
@@ -276,7 +277,7 @@ struct Q4_KRecord {
 // A 256-deep Q6_K block of a panel. Per column d (float16); per 16 depths and column an int8
 // scale; at each depth the 16 columns' low nibbles as Q4_1's pairs (8 bytes); then per 4
 // depths 16 bytes of high bits, byte j holding column j's two bits for depth 4 i + t at bits
-// 2 t (one shift and mask a depth). w = (d scale) (q - 32): d scale is exact in
+// 2 t (held in a register, shifted 2 bits a depth). w = (d scale) (q - 32): d scale is exact in
 // float32 (11 by 8 bits) and the product with q rounds once, as `gguf`'s two multiplies do.
 // The same bytes as the file's blocks (210 a column).
 struct Q6_KRecord {
@@ -296,18 +297,23 @@ struct Q6_KRecord {
   const int8_t* scales(int64_t k) const {
     return reinterpret_cast<const int8_t*>(record + kPanel * 2 + k / 16 * kPanel);
   }
+  // The current 4 depths' high bits, shifted right by 2 a depth: bits 0-1 of byte j are
+  // column j's at the next depth. values() is called for k = 0, 1, ... in order.
+  mutable __m128i high_bits;
   __m128i values(int64_t k) const {
     const uint8_t* q = record + kPanel * 2 + kDepth / 16 * kPanel + k * 8;
-    const uint8_t* h = record + kPanel * 2 + kDepth / 16 * kPanel + kDepth * 8 + k / 4 * kPanel;
     const __m128i low = _mm_set1_epi8(0x0F);
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
     const __m128i nibbles = _mm_unpacklo_epi64(_mm_and_si128(bytes, low),
                                                _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-    const __m128i bits = _mm_and_si128(
-        _mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)),
-                      _mm_cvtsi32_si128(static_cast<int>(2 * (k % 4)))),
-        _mm_set1_epi8(3));
-    return _mm_sub_epi8(_mm_or_si128(nibbles, _mm_slli_epi16(bits, 4)), _mm_set1_epi8(32));
+    if (k % 4 == 0) {
+      const uint8_t* h = record + kPanel * 2 + kDepth / 16 * kPanel + kDepth * 8 + k / 4 * kPanel;
+      high_bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+    }
+    // bits 0-1 of each byte to bits 4-5 (16-bit shifts: bits crossing bytes are masked)
+    const __m128i bits = _mm_and_si128(_mm_slli_epi16(high_bits, 4), _mm_set1_epi8(0x30));
+    high_bits = _mm_srli_epi16(high_bits, 2);
+    return _mm_sub_epi8(_mm_or_si128(nibbles, bits), _mm_set1_epi8(32));
   }
   // Called for k = 0, 1, ... in order: the scales change every 16 depths.
   void at(int64_t k, __m256& w0, __m256& w1) {

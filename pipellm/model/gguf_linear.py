@@ -3,17 +3,16 @@
 A decode step streams every weight once, so on a CPU its time is the weights' bytes over the
 memory bandwidth. Kept at 2.6-8.5 bits a weight instead of 32, the stream is 4-12x smaller.
 Q4_1, Q8_0, Q5_0, Q4_K and Q6_K matrices (the types of llama.cpp's Q4_0/Q4_K_M/Q6_K mixes but
-Q4_0) are repacked at load into panels of 16 interleaved rows for the exact kernel
-(pipellm/kernels/quantized_linear.cpp; Q4_1 and Q8_0 also for the int8 one), at their file size
+Q4_0) are repacked at load into panels of 16 interleaved rows, for the exact kernel
+(pipellm/kernels/quantized_linear.cpp) and the int8 one (int8_linear.cpp), at their file size
 (Q4_K 3% more: its 6-bit scales unpacked); a fused q/k/v of Q5_0 and Q8_0 parts is widened to
-Q8_0 (the same products). Every other type the kernels take (GGUF_KERNEL_TYPES), and every
-type under int8 activations but Q4_1/Q8_0, computes on the file's row-major blocks as they are
-(pipellm/kernels/gguf_linear.cpp), and a fused q/k/v or gate/up whose parts the file stores in
-other mixes of types keeps each part in its own type. Both exact kernels are bit-identical to
-the float32 GEMM on the weights `gguf` dequantizes (see their headers for why), so the model
-computes exactly the same numbers, only faster; with int8 activations
-(`quantization="gguf_int8"`) x is rounded to 8 bits per 32 values, as llama.cpp's dot products
-do.
+Q8_0 (the same products). Every other type the kernels take (GGUF_KERNEL_TYPES) computes on
+the file's row-major blocks as they are (pipellm/kernels/gguf_linear.cpp), and a fused q/k/v
+or gate/up whose parts the file stores in other mixes of types keeps each part in its own
+type. Both exact kernels are bit-identical to the float32 GEMM on the weights `gguf`
+dequantizes (see their headers for why), so the model computes exactly the same numbers, only
+faster; with int8 activations (`quantization="gguf_int8"`) x is rounded to 8 bits per 32
+values, as llama.cpp's dot products do.
 """
 
 from __future__ import annotations
@@ -32,9 +31,9 @@ BLOCK = 32  # input rows per GGUF block
 _T = GGMLQuantizationType
 # GGUF type -> the repacking kernels' `kind` argument (quantized_linear.cpp, int8_linear.cpp).
 KERNEL_KINDS = {_T.Q4_1: 0, _T.Q8_0: 1}
-# The exact repacked kernel (quantized_linear.cpp) also takes Q5_0, the type llama.cpp's K-quant
-# mixes fall back to for rows whose width is not a multiple of 256 (most of a small model's).
-# So do Q6_K and Q4_K (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
+# Both repacked kernels also take Q5_0, the type llama.cpp's K-quant mixes fall back to for
+# rows whose width is not a multiple of 256 (most of a small model's), and Q6_K and Q4_K
+# (llama.cpp's Q6_K files, the rest of its Q4_K_M mixes).
 EXACT_KERNEL_KINDS = {**KERNEL_KINDS, _T.Q5_0: 2, _T.Q6_K: 3, _T.Q4_K: 4}
 # Every type the GGUF kernels take as stored (gguf_type_table.cpp; a test checks the two agree).
 GGUF_KERNEL_TYPES = frozenset(
@@ -200,16 +199,18 @@ def _panel_major(values: torch.Tensor) -> torch.Tensor:
     return values.view(panels, PANEL, *values.shape[1:]).movedim(1, -1).contiguous()
 
 
-def _bit_words(bits: torch.Tensor) -> torch.Tensor:
-    """[..., 16] of 0/1 -> [..., 1] int16 words, bit j from element j."""
-    words = (bits.to(torch.int32) << torch.arange(PANEL, dtype=torch.int32)).sum(-1, True)
-    return words.to(torch.int16)
+def _inverted_bit_bytes(bits: torch.Tensor) -> torch.Tensor:
+    """[P, B, 32 depths, 16 columns] of 0/1 -> [P, B, 4, 16] uint8: for depths 8 g..8 g + 7,
+    byte j holds 1 - column j's bit, depth 8 g + t at bit t (quantized_linear.cpp's Q5_0)."""
+    panels, num_blocks = bits.shape[:2]
+    inverted = (1 - bits.to(torch.int32)).view(panels, num_blocks, BLOCK // 8, 8, PANEL)
+    shifts = torch.arange(8, dtype=torch.int32).view(8, 1)
+    return (inverted << shifts).sum(-2).to(torch.uint8)
 
 
-def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
-    """Q6_K for the exact kernel (quantized_linear.cpp's Q6_KRecord): [panels, blocks of 256,
-    record]; per record 16 float16 d, 16 x 16 int8 scales (sub-block, column), per depth 8
-    bytes of nibble pairs, then per 4 depths 16 bytes of high bits (column j's in byte j)."""
+def _q6_k_by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """Q6_K's (d, scales, q) by panel: float16 [P, B, 16], int8 [P, B, 16 (sub-block), 16],
+    q uint8 [P, B, 256 (depth), 16 (column)] in [0, 63] (w = d scale (q - 32))."""
     rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
     blocks = weight.blocks.view(rows, num_blocks, 210)
     # Value 128 h + 32 g + j: nibble of ql byte 64 h + 32 (g % 2) + j (the high one for g >= 2),
@@ -221,19 +222,26 @@ def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     q = _panel_major((low | (high << 4)).reshape(rows, num_blocks, 256))  # [P, B, 256, 16]
     scales = _panel_major(blocks[..., 192:208].contiguous().view(torch.int8))  # [P, B, 16, 16]
     d = _panel_major(_float16(blocks[..., 208:210]))  # [P, B, 16]
+    return d, scales, q
+
+
+def pack_q6_k_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q6_K for the exact kernel (quantized_linear.cpp's Q6_KRecord): [panels, blocks of 256,
+    record]; per record 16 float16 d, 16 x 16 int8 scales (sub-block, column), per depth 8
+    bytes of nibble pairs, then per 4 depths 16 bytes of high bits (column j's in byte j)."""
+    d, scales, q = _q6_k_by_panels(weight)
+    panels, num_blocks = q.shape[:2]
     nibbles = q & 0x0F
     pairs = nibbles[..., :8] | (nibbles[..., 8:] << 4)
-    panels = q.shape[0]
     high = (q >> 4).view(panels, num_blocks, 64, 4, PANEL)  # depth 4 i + t
     packed_high = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4)
     packed_high |= high[:, :, :, 3] << 6
     return _records(d, scales, pairs, packed_high)
 
 
-def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
-    """Q4_K for the exact kernel (quantized_linear.cpp's Q4_KRecord): [panels, blocks of 256,
-    record]; per record 16 float16 d, 16 dmin, 8 x 16 scales and 8 x 16 mins (sub-block,
-    column; uint8), then per depth 8 bytes of nibble pairs."""
+def _q4_k_by_panels(weight: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """Q4_K's (d, dmin, scales, mins, q) by panel: float16 [P, B, 16] twice, uint8 [P, B, 8
+    (sub-block), 16] twice, and q uint8 [P, B, 256 (depth), 16 (column)] in [0, 15]."""
     rows, num_blocks = weight.blocks.shape[0], weight.in_features // 256
     blocks = weight.blocks.view(rows, num_blocks, 144)
     # Value 64 c + 32 h + j: nibble h of byte 16 + 32 c + j; sub-block 2 c + h's 6-bit scale
@@ -244,14 +252,53 @@ def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
     first, last = packed[..., 0:4], packed[..., 8:12]
     scales = torch.cat([first & 63, (last & 0x0F) | ((first >> 2) & 0x30)], dim=-1)
     mins = torch.cat([packed[..., 4:8] & 63, (last >> 4) | ((packed[..., 4:8] >> 2) & 0x30)], -1)
-    nibbles = _panel_major(q)  # [P, B, 256, 16]
-    return _records(
+    return (
         _panel_major(_float16(blocks[..., 0:2])),
         _panel_major(_float16(blocks[..., 2:4])),
         _panel_major(scales),
         _panel_major(mins),
-        nibbles[..., :8] | (nibbles[..., 8:] << 4),
+        _panel_major(q),
     )
+
+
+def pack_q4_k_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q4_K for the exact kernel (quantized_linear.cpp's Q4_KRecord): [panels, blocks of 256,
+    record]; per record 16 float16 d, 16 dmin, 8 x 16 scales and 8 x 16 mins (sub-block,
+    column; uint8), then per depth 8 bytes of nibble pairs."""
+    d, dmin, scales, mins, nibbles = _q4_k_by_panels(weight)
+    return _records(d, dmin, scales, mins, nibbles[..., :8] | (nibbles[..., 8:] << 4))
+
+
+def pack_q6_k_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q6_K for the int8 kernel (int8_linear.cpp): d and scales as the exact record, then per
+    32-deep block Q4_1's nibble lanes of the low 4 bits, and per half of 8 columns and nibble
+    32 bytes holding vector i's high 2 bits at bits 2 i (3,360 bytes per 16 x 256)."""
+    d, scales, q = _q6_k_by_panels(weight)
+    panels, num_blocks = q.shape[:2]
+    # [P, B, 8 blocks, 2 (depths 0-15, 16-31), 4 i, 4 t, 16 j] -> lanes (i, j, t)
+    q = q.view(panels, num_blocks, 8, 2, 4, 4, PANEL).transpose(-1, -2)
+    nibbles = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [P, B, 8, 4, 16, 4]
+    high = (q >> 4).reshape(panels, num_blocks, 8, 2, 4, 2, 8 * 4).to(torch.int32)
+    shifts = (2 * torch.arange(4, dtype=torch.int32)).view(4, 1, 1)
+    high = (high << shifts).sum(4).to(torch.uint8)  # [P, B, 8, 2 (nibble), 2 (half), 32]
+    per_block = torch.cat(
+        [
+            nibbles.reshape(panels, num_blocks, 8, -1),
+            high.transpose(3, 4).reshape(panels, num_blocks, 8, -1),
+        ],
+        dim=-1,
+    )
+    return _records(d, scales, per_block)
+
+
+def pack_q4_k_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
+    """Q4_K for the int8 kernel (int8_linear.cpp): the exact record's d, dmin, scales and
+    mins, then per 32-deep sub-block Q4_1's 4 x 64 bytes of nibble lanes (2,368 bytes)."""
+    d, dmin, scales, mins, q = _q4_k_by_panels(weight)
+    panels, num_blocks = q.shape[:2]
+    # [P, B, 8 sub-blocks, 2 (depths 0-15, 16-31), 4 i, 4 t, 16 j] -> lanes (i, j, t)
+    q = q.view(panels, num_blocks, 8, 2, 4, 4, PANEL).transpose(-1, -2)
+    return _records(d, dmin, scales, mins, q[:, :, :, 0] | (q[:, :, :, 1] << 4))
 
 
 def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
@@ -269,13 +316,17 @@ def pack_quantized_weight(weight: QuantizedWeight) -> torch.Tensor:
     if weight.kind == GGMLQuantizationType.Q5_0:  # Q4_1's nibble pairs, then fifth bits
         low = q & 0x0F
         pairs = low[..., :8] | (low[..., 8:] << 4)
-        return _records(scales, pairs, _bit_words(q >> 4))
+        return _records(scales, pairs, _inverted_bit_bytes(q >> 4))
     return _records(scales, q)
 
 
 def pack_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
     """The int8 kernel's layout (pipellm/kernels/int8_linear.cpp): per record, 4
     consecutive depths of a column in each 32-bit lane, as vpdpbusd multiplies them."""
+    if weight.kind == GGMLQuantizationType.Q4_K:
+        return pack_q4_k_int8_weight(weight)
+    if weight.kind == GGMLQuantizationType.Q6_K:
+        return pack_q6_k_int8_weight(weight)
     scales, mins, q = _by_panels(weight)
     panels, num_blocks = q.shape[:2]
 
@@ -286,6 +337,15 @@ def pack_int8_weight(weight: QuantizedWeight) -> torch.Tensor:
     if mins is not None:  # depth 4 i + t in the low nibble, 16 + 4 i + t in the high
         nibbles = lanes(q[:, :, :16], 4) | (lanes(q[:, :, 16:], 4) << 4)
         return _records(scales, mins, nibbles)
+    if weight.kind == GGMLQuantizationType.Q5_0:  # Q4_1's nibbles, then their fifth bits
+        low, high = lanes(q[:, :, :16], 4), lanes(q[:, :, 16:], 4)  # [P, B, 4, 16, 4]
+        nibbles = (low & 0x0F) | ((high & 0x0F) << 4)
+        # [P, B, 4 (i), 2 (h: columns 0-7, 8-15), 2 (low, high nibble), 4 bytes, 8 bits]
+        fifth = torch.stack([low >> 4, high >> 4], dim=3)  # [P, B, 4, 2, 16, 4]
+        fifth = fifth.view(panels, num_blocks, 4, 2, 2, PANEL // 2 * 4).transpose(3, 4)
+        bits = fifth.reshape(panels, num_blocks, 4, 2, 2, 4, 8).to(torch.int32)
+        words = (bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+        return _records(scales, nibbles, words)
     shifted = (q.to(torch.int16) + 128).to(torch.uint8)  # vpdpbusd takes u8 weights
     return _records(scales, lanes(shifted, 8))
 
@@ -310,11 +370,9 @@ class QuantizedLinear(nn.Module):
         self.kind = weight.kind
         self.int8_activations = int8_activations and has_int8_path(weight)
         kernels = ops(level)
-        # Q4_1 and Q8_0 (and Q5_0 on the exact path) take their repacked kernels; everything
-        # else the stored blocks.
-        repacked = None if self.int8_activations else exact_repacked_weight(weight)
-        if self.int8_activations and isinstance(weight, QuantizedWeight):
-            repacked = weight if weight.kind in KERNEL_KINDS else None
+        # Q4_1, Q8_0, Q5_0, Q4_K and Q6_K take their repacked kernels; everything else the
+        # stored blocks.
+        repacked = exact_repacked_weight(weight)
         self.repacked = repacked is not None
         if repacked is not None:
             weight = repacked

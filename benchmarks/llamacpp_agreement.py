@@ -1,0 +1,145 @@
+"""How often pipellm's greedy tokens agree with llama.cpp's on the same GGUF file, for the exact
+path (`quantization="gguf"`, bit-identical to float32) and int8 activations (`gguf_int8`, which
+rounds activations to 8 bits per 32 values as llama.cpp's own dot products do).
+
+llama.cpp (llama-cpp-python, in `--llamacpp-python`, as benchmarks/vs_llamacpp.py runs it)
+writes a greedy continuation of each prompt (the prompts' token ids are pipellm's tokenizer's,
+given to both engines). Then each pipellm setting reads every prompt + continuation in one pass
+(prompt logprobs, top 1): teacher-forced agreement is the share of continuation positions where
+pipellm's top token is llama.cpp's, each position seeing the same context in both. Also
+reported: how many of pipellm's own free-running greedy continuations equal llama.cpp's, and
+the median position of the first differing token. Not a timing: run it on any machine.
+
+    .venv/bin/python benchmarks/llamacpp_agreement.py --model Q4_K_M.gguf \\
+        --llamacpp-python LLAMA_VENV/bin/python          # 32 prompts x 64 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+# With int8_agreement.py's 16: 32 prompts (imported in the parent only: the llama.cpp child's
+# Python has no pipellm).
+MORE_PROMPTS = [
+    "The largest planet in our solar system is",
+    "A good night's sleep helps because",
+    "class Stack:\n    def __init__(self):",
+    "The history of the printing press",
+    "My favourite season of the year is",
+    "In economics, inflation means",
+    "Steps to change a flat tyre:",
+    "The Great Wall of China was built",
+    "for i in range(10):",
+    "Rainbows appear when",
+    "The recipe calls for two eggs,",
+    "An apple a day",
+    "The first person to walk on the moon",
+    "Volcanoes erupt when",
+    "Translate to French: Good morning",
+    "The main parts of a computer are",
+]
+SETTINGS = ("gguf", "gguf_int8")
+
+
+def llamacpp_child(args: argparse.Namespace) -> None:
+    """Greedy continuations of the prompts (token ids on stdin), as JSON on stdout."""
+    from vs_llamacpp import LlamaCpp
+
+    engine = LlamaCpp(args.model, args.threads)
+    continuations = []
+    for prompt in json.loads(sys.stdin.read()):
+        engine.clear()
+        token = engine.prefill(prompt, 0)
+        tokens = [token]
+        for pos in range(len(prompt), len(prompt) + args.tokens - 1):
+            token = engine.decode([(token, pos, 0, True)])[0]
+            tokens.append(token)
+        continuations.append(tokens)
+    print(json.dumps(continuations))
+
+
+def llamacpp_continuations(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
+    env = dict(os.environ)
+    if args.llamacpp_path:
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [args.llamacpp_path, env.get("PYTHONPATH")])
+        )
+    command = [args.llamacpp_python, __file__, "--child", "--model", args.model]
+    command += ["--tokens", str(args.tokens), "--threads", str(args.threads)]
+    out = subprocess.run(
+        command, input=json.dumps(prompts), env=env, capture_output=True, text=True, check=False
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"the llama.cpp child failed: {' '.join(command)}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="the GGUF file both engines load")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--llamacpp-python",
+        default=os.environ.get("PIPELLM_LLAMACPP_PYTHON", sys.executable),
+        help="the Python that has llama-cpp-python (default: $PIPELLM_LLAMACPP_PYTHON, else this)",
+    )
+    parser.add_argument(
+        "--llamacpp-path",
+        default=os.environ.get("PIPELLM_LLAMACPP_PATH"),
+        help="a directory put on that Python's PYTHONPATH (default: $PIPELLM_LLAMACPP_PATH)",
+    )
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        llamacpp_child(args)
+        return
+
+    from int8_agreement import PROMPTS as FIRST_PROMPTS
+
+    from pipellm import LLM, SamplingParams
+
+    texts_in = (FIRST_PROMPTS + MORE_PROMPTS)[: args.prompts]
+
+    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    read = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    prompts: list[list[int]] | None = None
+    reference: list[list[int]] = []
+    for setting in SETTINGS:
+        with LLM(args.model, quantization=setting, enable_prefix_caching=False) as llm:
+            if prompts is None:
+                prompts = [llm.tokenizer.encode(text) for text in texts_in]
+                reference = llamacpp_continuations(args, prompts)
+            texts = [p + c for p, c in zip(prompts, reference, strict=True)]
+            outputs = llm.generate(texts, read, use_tqdm=False)
+            own = llm.generate(prompts, greedy, use_tqdm=False)
+        same = positions = 0
+        for prompt, continuation, out in zip(prompts, reference, outputs, strict=True):
+            # prompt_logprobs[j]: position j's top tokens given the tokens before it
+            tops = [entry[1][0][0] for entry in out.prompt_logprobs[len(prompt) :]]
+            same += sum(a == b for a, b in zip(tops, continuation, strict=True))
+            positions += len(continuation)
+        firsts = []
+        for continuation, run in zip(reference, own, strict=True):
+            differ = [
+                n
+                for n, (a, b) in enumerate(zip(continuation, run.outputs[0].token_ids, strict=True))
+                if a != b
+            ]
+            firsts.append(differ[0] if differ else len(continuation))
+        identical = sum(first == args.tokens for first in firsts)
+        print(
+            f"{setting:10s} teacher-forced top-1 = llama.cpp's: {same}/{positions} = "
+            f"{same / positions:.2%}; free-running: {identical}/{len(prompts)} continuations "
+            f"identical, first differing token at median {statistics.median(firsts):.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
