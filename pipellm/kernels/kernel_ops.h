@@ -2,9 +2,10 @@
 // declaration each. A source defines its op as `pipellm_ops::NAME` (a qualified definition
 // compiles only if it matches the declaration here) and registers that function; C++ callers
 // (decode_layers.cpp) call these declarations directly, so a changed signature breaks the
-// build, not a run. The library is built with hidden visibility: a declaration without its
-// definition fails at link time too. Python's wrappers of the same ops, with the same
-// parameter names: pipellm/kernels/kernel_ops.py.
+// build, not a run. The namespace is hidden (each level's library keeps its own copy), which
+// also makes a declaration without its definition fail at link time rather than at load
+// (-fvisibility=hidden alone leaves declarations default). Python's wrappers of the same ops,
+// with the same parameter names: pipellm/kernels/kernel_ops.py.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace pipellm_ops {
+namespace pipellm_ops __attribute__((visibility("hidden"))) {
 
 // packed_linear.cpp: float32 weights packed for the GEMM.
 at::Tensor pack_linear_weight(const at::Tensor& weight);
