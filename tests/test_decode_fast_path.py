@@ -19,7 +19,8 @@ from pipellm.model.gguf_linear import QuantizedWeight
 from pipellm.model.llama import LlamaStage
 from pipellm.model.stage_spec import StageSpec
 from pipellm.parallel.comm import GlooComm
-from tests.checkpoints import make_tiny_checkpoint
+from tests.checkpoints import TINY_SLIDING_WINDOW, make_tiny_checkpoint
+from tests.test_generate import make_prompts, reference_greedy
 
 pytestmark = pytest.mark.skipif(
     why_unavailable() is not None, reason=f"CPU kernels unavailable: {why_unavailable()}"
@@ -262,3 +263,20 @@ def test_smollm2_decode_steps_equal_the_python_path(quantization):
         stage.decode_fast_path = None
         python = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert checked == python
+
+
+def test_gemma3_decode_steps_equal_the_python_path_and_transformers(tmp_path):
+    """Gemma 3 (a tiny checkpoint): q/k norms, four norms a layer, the tanh-GELU gate, (1 + w)
+    norms, the embedding scale, and five sliding-window layers (their own KV-cache group and
+    RoPE base) then a global one. Every decode-only step takes the fused path, bit-identical
+    to the Python path, with prompts longer than the window and new tokens past another one."""
+    directory = make_tiny_checkpoint(tmp_path / "gemma3", arch="gemma3")
+    prompts = make_prompts(vocab_size=300, shared_prefix=TINY_SLIDING_WINDOW)[:2]
+    params = SamplingParams(temperature=0, max_tokens=2 * TINY_SLIDING_WINDOW, ignore_eos=True)
+    with LLM(str(directory), max_num_seqs=2) as llm:
+        stage = llm.engine.executor.worker.model
+        assert stage.config.sliding_window_layers and stage.decode_fast_path is not None
+        both = BothPaths(stage)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert both.steps == params.max_tokens - 1
+    assert tokens == reference_greedy(directory, prompts, params.max_tokens)

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from pipellm import LLM, SamplingParams
+from pipellm.model.decode_fast_path import why_not_fused
 from tests import llama_cpp_reference
 from tests.gguf_models import require_gemma3_270m_gguf
+from tests.test_decode_fast_path import BothPaths
 
 REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_q4_k_m_llama_cpp.json"
 WINDOW = 512
@@ -101,3 +103,16 @@ def test_greedy_tokens_match_llama_cpp_computed_now(gemma_gguf, reference, singl
     prompts = [case["prompt"] for case in reference["cases"]]
     cases = llama_cpp_reference.greedy_with_top_logprobs(gemma_gguf, prompts)
     assert count_identical(single_process_tokens, cases) >= 1
+
+
+def test_decode_steps_take_the_fused_path(gemma_gguf, reference):
+    """The longest prompt (past the 512-token window): each decode step on the fused path
+    (model/decode_fast_path.py) gives the Python path's hidden states, bit for bit."""
+    longest = max(reference["cases"], key=lambda case: len(case["prompt"]))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(str(gemma_gguf), max_model_len=1024) as llm:
+        stage = llm.engine.executor.worker.model
+        assert stage.decode_fast_path is not None, why_not_fused(stage)
+        both = BothPaths(stage)
+        llm.generate([longest["prompt"]], params, use_tqdm=False)
+    assert both.steps == params.max_tokens - 1

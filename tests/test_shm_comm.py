@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from pipellm.executor.mp import join_or_kill
-from pipellm.parallel.shm_comm import PREFIX, SHM_DIR, SLOT_BYTES, shm_comm_available
+from pipellm.parallel.shm_comm import (
+    PREFIX,
+    SHM_DIR,
+    SLOT_BYTES,
+    shm_comm_available,
+    shm_library,
+)
 from pipellm.worker.net import free_port
 
 pytestmark = pytest.mark.skipif(not shm_comm_available(), reason="no shared-memory kernel")
@@ -94,9 +100,9 @@ def _member(rank: int, port: int, results: mp.Queue) -> None:
     try:
         comm = _join_group(rank, port)
         out = {name: comm.all_reduce_(x.clone()) for name, x in _inputs(rank).items()}
-        # The same collective as the op C++ callers use (kernels/decode_layers.cpp).
+        # The op itself, as the kernel library registers it (kernels/kernel_ops.py).
         out["decode_op"] = _inputs(rank)["decode"]
-        torch.ops.pipellm_shm.all_reduce_(out["decode_op"], comm.handle)
+        shm_library().shm_all_reduce_(out["decode_op"], comm.handle)
         out["gather"] = comm.all_gather(torch.full((3, 5), float(rank)))
         out["gather_chunked"] = comm.all_gather(_inputs(rank)["chunked"].view(2, -1))
         # Columns picked from the ranks' rows side by side, in and across slot-sized chunks.

@@ -73,7 +73,8 @@ class TensorParallelDriverExecutor(Executor):
         lib = shm_library()
         remove_stale_segments()
         name = f"/{PREFIX}{os.getpid()}-0-{secrets.token_hex(4)}"
-        self.comm = ShmComm(lib.open(name, True, self.tp_size, 0, SLOT_BYTES), self.tp_size, 0)
+        handle = lib.shm_open_segment(name, True, self.tp_size, 0, SLOT_BYTES)
+        self.comm = ShmComm(handle, self.tp_size, 0)
         self.processes: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         try:
@@ -104,7 +105,9 @@ class TensorParallelDriverExecutor(Executor):
             self.shutdown()
             raise
         finally:
-            lib.unlink(name)  # every rank mapped it, or failed: the name goes either way
+            lib.shm_unlink_segment(
+                name
+            )  # every rank mapped it, or failed: the name goes either way
 
     def _rank_label(self, index: int) -> str:
         process = self.processes[index]
@@ -208,7 +211,8 @@ def rank_main(
 
         torch.set_num_threads(config.threads_per_stage)
         size = config.tensor_parallel_size
-        comm = ShmComm(shm_library().open(segment, False, size, tp_rank, SLOT_BYTES), size, tp_rank)
+        handle = shm_library().shm_open_segment(segment, False, size, tp_rank, SLOT_BYTES)
+        comm = ShmComm(handle, size, tp_rank)
         worker = StageWorker(config, 0, tp_rank, comm)
         conn.send(StageReady())
     except BaseException:

@@ -9,12 +9,15 @@ with torch's JIT extension builder (g++ and ninja, ~30 s) and caches it under to
 extensions folder ($TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions). So one install
 runs the best code on whichever x86-64 machine it lands on, the same way oneDNN and
 llama.cpp's GGML_CPU_ALL_VARIANTS builds choose their code paths. Callers take their ops from
-`ops()`, never from a fixed namespace.
+`ops()`, never from a fixed namespace: a KernelOps (kernel_ops.py), which holds every op's
+Python wrapper and signature.
 
-A new kernel source joins by being added to `SOURCES`: it includes "kernel_library.h" and
-registers its ops with `PIPELLM_LIBRARY_FRAGMENT(m)`; it is then built for every level, and a
-source that has nothing level-specific simply compiles to the same code at each. Sources test
-`__AVX512F__` (etc.) to specialise.
+A new kernel source joins by being added to `SOURCES`: it includes "kernel_library.h",
+declares its ops in kernel_ops.h (C++) and kernel_ops.py (Python), defines them as
+`pipellm_ops::NAME` and registers them with `PIPELLM_LIBRARY_FRAGMENT(m)`; it is then built
+for every level, and a source that has nothing level-specific simply compiles to the same
+code at each. Sources test `__AVX512F__` (etc.) to specialise. The tensor-parallel group's
+shared-memory collectives (pipellm/parallel/shm_comm.cpp) are built into the same library.
 
 Where no level can be built or run (not x86-64 with AVX2, no compiler) pipellm logs why and
 keeps its pure-PyTorch path. PIPELLM_CPU_KERNELS=0 turns the kernels off, e.g. to compare the
@@ -34,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from pipellm.kernels.kernel_ops import KernelOps
+
 logger = logging.getLogger(__name__)
 
 _FILES = (
@@ -52,7 +57,12 @@ _FILES = (
     "gguf_float_types.cpp",
     "gguf_linear.cpp",
 )
-SOURCES = [Path(__file__).with_name(name) for name in _FILES]
+_KERNELS_DIR = Path(__file__).parent
+# The tensor-parallel group's shared-memory collectives join the same build (and the fused
+# decode path calls them directly), though they live beside the Python that uses them.
+SOURCES = [_KERNELS_DIR / name for name in _FILES] + [
+    _KERNELS_DIR.parent / "parallel" / "shm_comm.cpp"
+]
 # Head sizes the attention kernel is instantiated for (see attend_for in the source).
 DECODE_ATTENTION_HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128, 256})
 _DISABLE_ENV = "PIPELLM_CPU_KERNELS"
@@ -135,9 +145,16 @@ def _requested_level() -> str | None:
 
 
 def why_unavailable() -> str | None:
-    """None if the kernels can be built here, else the reason they cannot."""
+    """None if the kernels can be built here and are not turned off, else the reason."""
     if os.environ.get(_DISABLE_ENV, "1") == "0":
         return f"turned off by {_DISABLE_ENV}=0"
+    return why_unbuildable()
+
+
+def why_unbuildable() -> str | None:
+    """None if this machine can build and run the kernel library, else why not (whatever
+    PIPELLM_CPU_KERNELS says: the shared-memory collectives in it serve tensor parallelism
+    even where the compute kernels are turned off)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"written for x86-64, this is {platform.machine()}"
     if not supported_levels():
@@ -181,27 +198,20 @@ def cpu_kernels_available() -> bool:
     return True
 
 
-def ops(level: str | None = None) -> torch._ops._OpNamespace:
+def ops(level: str | None = None) -> KernelOps:
     """The kernels' ops at `level` (default: the chosen one), built or loaded on first use."""
     return _ops_at(level or _chosen_loaded())
 
 
-def kernel_class(class_name: str, level: str | None = None) -> type:
-    """A TorchScript class the kernels register (e.g. DecodeLayers, decode_layers.cpp) at
-    `level` (default: the chosen one), built or loaded on first use."""
-    name = level or _chosen_loaded()
-    _ops_at(name)
-    return getattr(getattr(torch.classes, _BY_NAME[name].namespace), class_name)
-
-
 @functools.cache
-def _ops_at(name: str) -> torch._ops._OpNamespace:
+def _ops_at(name: str) -> KernelOps:
     if name not in supported_levels():
         raise ValueError(
             f"kernel level {name!r} is not one this CPU supports ({', '.join(supported_levels())})"
         )
     _load(name)
-    return getattr(torch.ops, _BY_NAME[name].namespace)
+    namespace = _BY_NAME[name].namespace
+    return KernelOps(name, getattr(torch.ops, namespace), getattr(torch.classes, namespace))
 
 
 @functools.cache
@@ -234,6 +244,7 @@ def _load(name: str) -> None:
     load_extension(
         f"pipellm_cpu_kernels_{level.name}",
         sources=[str(p) for p in SOURCES],
+        extra_include_paths=[str(_KERNELS_DIR)],
         extra_cflags=[
             "-O3",
             *level.cflags,
@@ -244,7 +255,7 @@ def _load(name: str) -> None:
             "-fvisibility-inlines-hidden",
             f"-DPIPELLM_OPS_NAMESPACE={level.namespace}",
         ],
-        extra_ldflags=["-fopenmp"],
+        extra_ldflags=["-fopenmp", "-lrt"],  # -lrt: shm_open where glibc is older than 2.34
         is_python_module=False,
         verbose=False,
     )

@@ -4,61 +4,42 @@
 // Why: at one sequence a layer's Python forward takes well over its kernels' time; the
 // difference is glue (module calls, the kernel wrappers' checks, view/split, one torch.ops
 // dispatch from Python per kernel), about a third of a one-sequence decode step
-// (docs/performance.md, "The fused decode path"). Here the glue is C++: each layer calls the SAME kernels, in the
-// SAME order and on the same inputs as LlamaStage's Python path (model/llama.py), through the
-// dispatcher with typed handles looked up once, so the hidden states are bit-identical; the
-// Python path stays the reference and the fallback (prefills, mixed batches, models the
-// kernels do not cover).
+// (docs/performance.md, "The fused decode path"). Here the glue is C++: each layer calls the
+// SAME kernels, in the SAME order and on the same inputs as LlamaStage's Python path
+// (model/llama.py), so the hidden states are bit-identical; the Python path stays the
+// reference and the fallback (prefills, mixed batches, models the kernels do not cover). The
+// kernels are called through their declarations (kernel_ops.h): a changed signature fails to
+// compile here. The steps the Python path leaves to ATen (the q/k per-head norms, GELU) are
+// the same ATen calls here.
+//
+// The family switches (model/model_config.py) are per layer: q/k norms (Qwen3, Gemma 3), the
+// norms after attention and the MLP (Gemma 3's four a layer), the tanh-GELU gate (Gemma), a
+// sliding window with its own KV-cache group and RoPE tables (Gemma 3, Mistral).
 //
 // With tensor parallelism each rank runs its share of the layers here too: after o_proj and
 // after down_proj, where the Python path's Attention and MLP all-reduce, it calls the same
-// shared-memory all-reduce (pipellm/parallel/shm_comm.cpp, registered as the op
-// pipellm_shm::all_reduce_), and the attention kernel gets the rank's uneven query groups.
-// Where heads straddle the ranks (model/tp_plan.py), q/k/v are computed by rows and
-// all-gathered (pipellm_shm::all_gather_columns) before attention, and o_proj takes a slice
-// of the heads' outputs, as Attention.forward does.
+// shared-memory all-reduce (pipellm/parallel/shm_comm.cpp), and the attention kernel gets the
+// rank's uneven query groups. Where heads straddle the ranks (model/tp_plan.py), q/k/v are
+// computed by rows and all-gathered before attention, and o_proj takes a slice of the heads'
+// outputs, as Attention.forward does.
 //
-// A DecodeLayers object (a TorchScript custom class) holds a stage's weights, built once at
-// load; the KV caches, allocated after the weights, are bound later with set_caches.
+// Python fills three TorchScript classes field by field (decode_fast_path.py): a DecodeLinear
+// per linear layer, a DecodeLayer per decoder layer holding its norms, linears and switches,
+// and one DecodeLayers for the stage, its attention geometry and tensor-parallel wiring, to
+// which each layer is added; the KV caches, allocated after the weights, are bound later with
+// set_caches.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <optional>
-#include <string>
 #include <vector>
 
 namespace {
 
-#define PIPELLM_STRINGIFY_(x) #x
-#define PIPELLM_STRINGIFY(x) PIPELLM_STRINGIFY_(x)
-
-// This level's op `name`, with the C++ signature its kernel was registered with.
-template <class Signature>
-c10::TypedOperatorHandle<Signature> level_op(const char* name) {
-  const std::string qualified = std::string(PIPELLM_STRINGIFY(PIPELLM_OPS_NAMESPACE)) + "::" + name;
-  return c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "").typed<Signature>();
-}
-
 using Optional = std::optional<at::Tensor>;
-using PackedLinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const Optional&, int64_t);
-using QuantizedLinearFn =
-    at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Optional&, int64_t);
-// gguf_linear.cpp's ops: weight parts of GGUF types stacked by rows.
-using GgufLinearFn = at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef,
-                                const Optional&, int64_t);
-using RmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
-using AddRmsNormFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
-using SiluAndMulFn = at::Tensor(const at::Tensor&);
-using RotaryFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                      const at::Tensor&, const at::Tensor&, int64_t, int64_t);
-using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                         at::OptionalIntArrayRef, int64_t);
-using AllReduceFn = void(const at::Tensor&, int64_t);
-using AllGatherColumnsFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 
 // How a linear layer computes (model/linear.py's PackedLinear, model/gguf_linear.py's
 // QuantizedLinear); the Python side passes these codes.
@@ -69,236 +50,280 @@ enum Method : int64_t {
   kGguf = 3,
   kGgufInt8 = 4
 };
-constexpr int64_t kLinearsPerLayer = 4;  // qkv_proj, o_proj, gate_up_proj, down_proj
-constexpr int64_t kNormsPerLayer = 2;    // input_layernorm, post_attention_layernorm
 
-struct Linear {
-  Method method;
-  at::Tensor weight;  // packed for its kernel
+// One linear layer's weights, as its Python module holds them.
+struct DecodeLinear : torch::CustomClassHolder {
+  int64_t method = kPacked;
+  at::Tensor weight;  // kPacked, kQuantized*: packed for its kernel
   Optional bias;
-  int64_t kind;  // the GGUF kind code of the quantized kernels; unused for kPacked
-  int64_t out_features;
-  std::vector<at::Tensor> parts;  // kGguf*: the stored weight parts and their GGUF types
-  std::vector<int64_t> types;
+  int64_t kind = 0;  // kQuantized*: the repacked weight's kernel kind
+  int64_t out_features = 0;
+  std::vector<at::Tensor> parts;  // kGguf*: the stored weight parts, stacked by rows,
+  std::vector<int64_t> types;     // and their GGUF types
+
+  void check(const char* name) const {
+    TORCH_CHECK(method >= kPacked && method <= kGgufInt8, "DecodeLayers: ", name, "'s method ",
+                method, " is not 0 (packed), 1 (quantized), 2 (quantized, int8 activations), "
+                "3 (GGUF parts) or 4 (GGUF parts, int8)");
+    const bool gguf = method == kGguf || method == kGgufInt8;
+    TORCH_CHECK(gguf ? !parts.empty() && parts.size() == types.size() : weight.defined(),
+                "DecodeLayers: ", name, " needs ", gguf ? "parts with a type each" : "a weight");
+    TORCH_CHECK(out_features > 0, "DecodeLayers: ", name, " has no out_features");
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (static_cast<Method>(method)) {
+      case kPacked:
+        return pipellm_ops::packed_linear(x, weight, bias, out_features);
+      case kQuantized:
+        return pipellm_ops::quantized_linear(x, weight, kind, bias, out_features);
+      case kQuantizedInt8:
+        return pipellm_ops::quantized_linear_int8(x, weight, kind, bias, out_features);
+      case kGguf:
+        return pipellm_ops::gguf_linear(x, parts, types, bias, out_features);
+      case kGgufInt8:
+        return pipellm_ops::gguf_linear_int8(x, parts, types, bias, out_features);
+    }
+    TORCH_CHECK(false, "DecodeLayers: bad linear method ", method);
+  }
+};
+
+// One decoder layer: Hugging Face's norm names; the optional ones only where the family has
+// them.
+struct DecodeLayer : torch::CustomClassHolder {
+  at::Tensor input_layernorm, post_attention_layernorm;
+  Optional q_norm, k_norm;  // over each query and key head, before RoPE
+  // Sandwich norms: post_attention_layernorm then norms the attention output and
+  // pre_feedforward_layernorm is the MLP's input norm; post_feedforward_layernorm norms its
+  // output.
+  Optional pre_feedforward_layernorm, post_feedforward_layernorm;
+  c10::intrusive_ptr<DecodeLinear> qkv_proj, o_proj, gate_up_proj, down_proj;
+  bool gelu_tanh = false;  // the MLP's gate: tanh-approximated GELU (GeGLU), else SiLU
+  int64_t window = 0;      // > 0: attends to the last `window` positions only
+  int64_t cache_group = 0;  // the KV-cache group whose slots and block tables it reads
+  bool local_rope = false;  // takes the second RoPE tables (the window layers' own base)
+
+  void check() const {
+    TORCH_CHECK(input_layernorm.defined() && post_attention_layernorm.defined(),
+                "DecodeLayers: a layer needs input_layernorm and post_attention_layernorm");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
+                "DecodeLayers: q_norm and k_norm come together");
+    TORCH_CHECK(pre_feedforward_layernorm.has_value() == post_feedforward_layernorm.has_value(),
+                "DecodeLayers: pre_ and post_feedforward_layernorm come together");
+    TORCH_CHECK(window >= 0 && cache_group >= 0, "DecodeLayers: negative window or group");
+    const std::pair<const char*, const c10::intrusive_ptr<DecodeLinear>*> linears[] = {
+        {"qkv_proj", &qkv_proj},
+        {"o_proj", &o_proj},
+        {"gate_up_proj", &gate_up_proj},
+        {"down_proj", &down_proj}};
+    for (const auto& [name, linear] : linears) {
+      TORCH_CHECK(*linear, "DecodeLayers: a layer's ", name, " is not set");
+      (*linear)->check(name);
+    }
+  }
 };
 
 class DecodeLayers : public torch::CustomClassHolder {
  public:
-  // Per layer, in order: norms = (input_layernorm, post_attention_layernorm) weights; the
-  // linears (qkv_proj, o_proj, gate_up_proj, down_proj) as weights, biases (an empty tensor:
-  // none), methods, kinds and out_features. group_starts: each KV head's first query head
-  // and the end (model/tp_plan.py's kv_group_starts), empty where the groups are even.
-  // all_reduce_handle: the tensor-parallel group's shared-memory communicator (ShmComm's
-  // handle), 0 without tensor parallelism. gather_index (Attention.gather_index) where q/k/v
-  // rows are all-gathered, each rank's part padded to qkv_width, else empty (and qkv_width
-  // unused); o_slice = (o_offset, o_columns) where o_proj takes part of the heads' outputs,
-  // else empty. gguf_parts, gguf_types: the weight parts of the kGguf* linears, in order, each
-  // such linear's `kinds` entry saying how many it takes (its `weights` entry is unused).
-  DecodeLayers(std::vector<at::Tensor> norms, std::vector<at::Tensor> weights,
-               std::vector<at::Tensor> biases, std::vector<int64_t> methods,
-               std::vector<int64_t> kinds, std::vector<int64_t> out_features, int64_t num_heads,
-               int64_t num_kv_heads, int64_t head_dim, double scale, double eps,
-               std::vector<int64_t> group_starts, int64_t all_reduce_handle,
-               int64_t qkv_width, at::Tensor gather_index, std::vector<int64_t> o_slice,
-               std::vector<at::Tensor> gguf_parts, std::vector<int64_t> gguf_types)
-      : norms_(std::move(norms)),
-        group_starts_(std::move(group_starts)),
-        all_reduce_handle_(all_reduce_handle),
-        qkv_width_(qkv_width),
-        gather_index_(std::move(gather_index)),
-        o_slice_(std::move(o_slice)),
-        num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads),
-        head_dim_(head_dim),
-        scale_(scale),
-        eps_(eps),
-        packed_linear_(level_op<PackedLinearFn>("packed_linear")),
-        quantized_linear_(level_op<QuantizedLinearFn>("quantized_linear")),
-        rms_norm_(level_op<RmsNormFn>("rms_norm")),
-        add_rms_norm_(level_op<AddRmsNormFn>("add_rms_norm_")),
-        silu_and_mul_(level_op<SiluAndMulFn>("silu_and_mul")),
-        rotary_and_cache_(level_op<RotaryFn>("rotary_and_cache_")),
-        paged_decode_attention_(level_op<AttentionFn>("paged_decode_attention")) {
-    TORCH_CHECK(group_starts_.empty() ||
-                    static_cast<int64_t>(group_starts_.size()) == num_kv_heads + 1,
+  // The stage's attention geometry (every layer of a rank holds the same heads,
+  // model/tp_plan.py) and norms' eps.
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  double scale = 1.0, eps = 1e-6;
+  // Each KV head's first query head and the end (model/tp_plan.py's kv_group_starts), empty
+  // where the groups are even.
+  std::vector<int64_t> group_starts;
+  // The tensor-parallel group's shared-memory communicator (ShmComm's handle), 0 without
+  // tensor parallelism.
+  int64_t comm_handle = 0;
+  // Where q/k/v rows are all-gathered (Attention.gather_index), each rank's part padded to
+  // qkv_width; unset otherwise.
+  Optional gather_index;
+  int64_t qkv_width = 0;
+  // (o_offset, o_columns) where o_proj takes part of the heads' outputs, else empty.
+  std::vector<int64_t> o_slice;
+
+  void add_layer(c10::intrusive_ptr<DecodeLayer> layer) {
+    TORCH_CHECK(layer, "DecodeLayers.add_layer: no layer");
+    layer->check();
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
+                "DecodeLayers: set num_heads, num_kv_heads and head_dim before adding layers");
+    TORCH_CHECK(group_starts.empty() ||
+                    static_cast<int64_t>(group_starts.size()) == num_kv_heads + 1,
                 "DecodeLayers: group_starts holds num_kv_heads + 1 offsets");
-    // By name, and only here: without tensor parallelism the shm library need not be loaded.
-    if (all_reduce_handle_ != 0)
-      all_reduce_ = c10::Dispatcher::singleton()
-                        .findSchemaOrThrow("pipellm_shm::all_reduce_", "")
-                        .typed<AllReduceFn>();
-    TORCH_CHECK(gather_index_.numel() == 0 || all_reduce_handle_ != 0,
+    TORCH_CHECK(!gather_index.has_value() || comm_handle != 0,
                 "DecodeLayers: gathering q/k/v rows needs a communicator");
-    TORCH_CHECK(o_slice_.empty() || o_slice_.size() == 2, "DecodeLayers: o_slice is "
-                "(o_offset, o_columns)");
-    if (gather_index_.numel() > 0)
-      all_gather_columns_ = c10::Dispatcher::singleton()
-                                .findSchemaOrThrow("pipellm_shm::all_gather_columns", "")
-                                .typed<AllGatherColumnsFn>();
-    const size_t count = weights.size();
-    TORCH_CHECK(count % kLinearsPerLayer == 0 && biases.size() == count &&
-                    methods.size() == count && kinds.size() == count &&
-                    out_features.size() == count,
-                "DecodeLayers: 4 linears a layer, each with a weight, bias, method, kind and "
-                "out_features");
-    num_layers_ = static_cast<int64_t>(count) / kLinearsPerLayer;
-    TORCH_CHECK(static_cast<int64_t>(norms_.size()) == kNormsPerLayer * num_layers_,
-                "DecodeLayers: 2 norm weights a layer");
-    TORCH_CHECK(gguf_parts.size() == gguf_types.size(),
-                "DecodeLayers: one GGUF type per gguf part");
-    size_t next_part = 0;
-    for (size_t i = 0; i < count; ++i) {
-      TORCH_CHECK(methods[i] >= kPacked && methods[i] <= kGgufInt8,
-                  "DecodeLayers: method ", methods[i], " is not 0 (packed), 1 (quantized), 2 "
-                  "(quantized, int8 activations), 3 (GGUF parts) or 4 (GGUF parts, int8)");
-      const Method method = static_cast<Method>(methods[i]);
-      if (method == kQuantizedInt8 && !quantized_linear_int8_)
-        quantized_linear_int8_ = level_op<QuantizedLinearFn>("quantized_linear_int8");
-      Optional bias;
-      if (biases[i].numel() > 0) bias = biases[i];
-      Linear linear{method, weights[i], bias, kinds[i], out_features[i], {}, {}};
-      if (method == kGguf || method == kGgufInt8) {
-        const char* name = method == kGguf ? "gguf_linear" : "gguf_linear_int8";
-        auto& op = method == kGguf ? gguf_linear_ : gguf_linear_int8_;
-        if (!op) op = level_op<GgufLinearFn>(name);
-        TORCH_CHECK(kinds[i] > 0 && next_part + kinds[i] <= gguf_parts.size(),
-                    "DecodeLayers: a GGUF linear's parts run past gguf_parts");
-        for (int64_t p = 0; p < kinds[i]; ++p, ++next_part) {
-          linear.parts.push_back(gguf_parts[next_part]);
-          linear.types.push_back(gguf_types[next_part]);
-        }
-      }
-      linears_.push_back(std::move(linear));
-    }
-    TORCH_CHECK(next_part == gguf_parts.size(), "DecodeLayers: gguf_parts left over");
+    TORCH_CHECK(o_slice.empty() || o_slice.size() == 2,
+                "DecodeLayers: o_slice is (o_offset, o_columns)");
+    layers_.push_back(std::move(layer));
   }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // Per layer (key cache, value cache), as the Python path's kv_caches.
   void set_caches(std::vector<at::Tensor> caches) {
-    TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * num_layers_,
+    TORCH_CHECK(static_cast<int64_t>(caches.size()) == 2 * num_layers(),
                 "DecodeLayers.set_caches: a key and a value cache per layer");
     caches_ = std::move(caches);
   }
 
-  // x: [T, hidden], one decode a row; cos, sin: the rope tables at the rows' positions. Returns
-  // the stage's output, as LlamaStage.forward does: the last MLP output plus the residual.
-  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
-                     at::Tensor block_tables, at::Tensor context_lens) {
-    TORCH_CHECK(static_cast<int64_t>(caches_.size()) == 2 * num_layers_,
+  // x: [T, hidden], one decode a row; rope: (cos, sin) at the rows' positions, then the
+  // local_rope layers' (cos, sin) where any layer has them; per KV-cache group, the rows'
+  // slot_mapping, block_tables and context_lens (ForwardBatch.for_group). Returns the
+  // stage's output, as LlamaStage.forward does: the last MLP output plus the residual.
+  at::Tensor forward(at::Tensor x, std::vector<at::Tensor> rope,
+                     std::vector<at::Tensor> slot_mappings, std::vector<at::Tensor> block_tables,
+                     std::vector<at::Tensor> context_lens) {
+    TORCH_CHECK(static_cast<int64_t>(caches_.size()) == 2 * num_layers(),
                 "DecodeLayers: set_caches first");
-    if (num_layers_ == 0) return x;
-    const int64_t tokens = x.size(0);
+    TORCH_CHECK(rope.size() == 2 || rope.size() == 4,
+                "DecodeLayers.forward: rope is (cos, sin) or (cos, sin, local cos, local sin)");
+    TORCH_CHECK(slot_mappings.size() == block_tables.size() &&
+                    context_lens.size() == block_tables.size(),
+                "DecodeLayers.forward: one slot_mapping, block_tables and context_lens a group");
+    if (layers_.empty()) return x;
     at::Tensor residual;
-    for (int64_t l = 0; l < num_layers_; ++l) {
-      const Linear* linear = &linears_[l * kLinearsPerLayer];
-      const at::Tensor& key_cache = caches_[2 * l];
-      const at::Tensor& value_cache = caches_[2 * l + 1];
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const DecodeLayer& layer = *layers_[l];
+      const size_t group = static_cast<size_t>(layer.cache_group);
+      TORCH_CHECK(group < block_tables.size(), "DecodeLayers.forward: no tables for group ",
+                  group);
+      TORCH_CHECK(!layer.local_rope || rope.size() == 4,
+                  "DecodeLayers.forward: a layer needs the local RoPE tables");
+      const size_t tables = layer.local_rope ? 2 : 0;
       // DecoderLayer.forward: x += residual; h = norm(x); the residual stream goes on in x.
       at::Tensor h;
       if (l == 0) {
-        h = rms_norm_.call(x, norms_[kNormsPerLayer * l], eps_);
-        residual = x;
+        h = pipellm_ops::rms_norm(x, layer.input_layernorm, eps);
       } else {
-        h = add_rms_norm_.call(x, residual, norms_[kNormsPerLayer * l], eps_);
-        residual = x;
+        h = pipellm_ops::add_rms_norm_(x, residual, layer.input_layernorm, eps);
       }
-      // Attention.forward
-      const at::Tensor qkv = gather_heads(apply(linear[0], h)).view({tokens, -1, head_dim_});
-      rotary_and_cache_.call(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads_,
-                             num_kv_heads_);
-      const at::Tensor q = qkv.narrow(1, 0, num_heads_);
-      const at::Tensor attended = at::empty(q.sizes(), q.options());
-      paged_decode_attention_.call(attended, q, key_cache, value_cache, block_tables,
-                                   context_lens, scale_, group_starts(), /*window=*/0);
-      at::Tensor heads_out = attended.view({tokens, -1});
-      if (!o_slice_.empty()) heads_out = heads_out.narrow(1, o_slice_[0], o_slice_[1]).contiguous();
-      const at::Tensor out = apply(linear[1], heads_out);
-      all_reduce(out);  // Attention.forward's
-      h = add_rms_norm_.call(out, residual, norms_[kNormsPerLayer * l + 1], eps_);
-      // MLP.forward
-      x = apply(linear[3], silu_and_mul_.call(apply(linear[2], h)));
-      all_reduce(x);  // MLP.forward's
+      residual = x;
+      at::Tensor out = attention(layer, h, rope[tables], rope[tables + 1], slot_mappings[group],
+                                 block_tables[group], context_lens[group], 2 * l);
+      if (layer.pre_feedforward_layernorm) {
+        out = pipellm_ops::rms_norm(out, layer.post_attention_layernorm, eps);
+        h = pipellm_ops::add_rms_norm_(out, residual, *layer.pre_feedforward_layernorm, eps);
+        x = pipellm_ops::rms_norm(mlp(layer, h), *layer.post_feedforward_layernorm, eps);
+      } else {
+        h = pipellm_ops::add_rms_norm_(out, residual, layer.post_attention_layernorm, eps);
+        x = mlp(layer, h);
+      }
       residual = out;
     }
     return x.add_(residual);
   }
 
  private:
-  at::OptionalIntArrayRef group_starts() const {
-    if (group_starts_.empty()) return std::nullopt;
-    return at::IntArrayRef(group_starts_);
+  // Attention.forward.
+  at::Tensor attention(const DecodeLayer& layer, const at::Tensor& h, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& slot_mapping,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       int64_t cache) {
+    const int64_t tokens = h.size(0);
+    const at::Tensor& key_cache = caches_[cache];
+    const at::Tensor& value_cache = caches_[cache + 1];
+    at::Tensor qkv = gather_heads((*layer.qkv_proj)(h)).view({tokens, -1, head_dim});
+    if (layer.q_norm) {  // Attention._norm_query_and_key_heads
+      const std::vector<at::Tensor> heads = qkv.split({num_heads, num_kv_heads, num_kv_heads}, 1);
+      qkv = at::cat({at::rms_norm(heads[0], {head_dim}, layer.q_norm, eps),
+                     at::rms_norm(heads[1], {head_dim}, layer.k_norm, eps), heads[2]},
+                    1);
+    }
+    pipellm_ops::rotary_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
+                                   num_heads, num_kv_heads);
+    const at::Tensor q = qkv.narrow(1, 0, num_heads);
+    const at::Tensor attended = at::empty(q.sizes(), q.options());
+    pipellm_ops::paged_decode_attention(attended, q, key_cache, value_cache, block_tables,
+                                        context_lens, scale, query_groups(), layer.window);
+    at::Tensor heads_out = attended.view({tokens, -1});
+    if (!o_slice.empty()) heads_out = heads_out.narrow(1, o_slice[0], o_slice[1]).contiguous();
+    const at::Tensor out = (*layer.o_proj)(heads_out);
+    all_reduce(out);  // Attention.forward's
+    return out;
+  }
+
+  // MLP.forward.
+  at::Tensor mlp(const DecodeLayer& layer, const at::Tensor& h) {
+    const at::Tensor gate_up = (*layer.gate_up_proj)(h);
+    at::Tensor activated;
+    if (layer.gelu_tanh) {  // fused_ops.gelu_tanh_and_mul
+      const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+      activated = at::gelu(halves[0], "tanh") * halves[1];
+    } else {
+      activated = pipellm_ops::silu_and_mul(gate_up);
+    }
+    at::Tensor out = (*layer.down_proj)(activated);
+    all_reduce(out);  // MLP.forward's
+    return out;
+  }
+
+  at::OptionalIntArrayRef query_groups() const {
+    if (group_starts.empty()) return std::nullopt;
+    return at::IntArrayRef(group_starts);
   }
 
   // The computed q/k/v rows [T, w] -> this rank's heads' rows: the ranks' parts (each padded
   // to qkv_width) side by side, columns picked by gather_index. Unchanged where no head
   // straddles.
-  at::Tensor gather_heads(at::Tensor qkv) {
-    if (!all_gather_columns_) return qkv;
-    if (qkv.size(1) < qkv_width_) qkv = at::constant_pad_nd(qkv, {0, qkv_width_ - qkv.size(1)});
-    at::Tensor heads = at::empty({qkv.size(0), gather_index_.numel()}, qkv.options());
-    all_gather_columns_->call(qkv.contiguous(), gather_index_, heads, all_reduce_handle_);
+  at::Tensor gather_heads(at::Tensor qkv) const {
+    if (!gather_index) return qkv;
+    if (qkv.size(1) < qkv_width) qkv = at::constant_pad_nd(qkv, {0, qkv_width - qkv.size(1)});
+    at::Tensor heads = at::empty({qkv.size(0), gather_index->numel()}, qkv.options());
+    pipellm_ops::shm_all_gather_columns(qkv.contiguous(), *gather_index, heads, comm_handle);
     return heads;
   }
 
   // The row-parallel partial sums added over the ranks, in place; nothing without TP.
-  void all_reduce(const at::Tensor& x) {
-    if (all_reduce_) all_reduce_->call(x, all_reduce_handle_);
+  void all_reduce(const at::Tensor& x) const {
+    if (comm_handle != 0) pipellm_ops::shm_all_reduce_(x, comm_handle);
   }
 
-  at::Tensor apply(const Linear& linear, const at::Tensor& x) {
-    switch (linear.method) {
-      case kPacked:
-        return packed_linear_.call(x, linear.weight, linear.bias, linear.out_features);
-      case kQuantized:
-        return quantized_linear_.call(x, linear.weight, linear.kind, linear.bias,
-                                      linear.out_features);
-      case kQuantizedInt8:
-        return quantized_linear_int8_->call(x, linear.weight, linear.kind, linear.bias,
-                                            linear.out_features);
-      case kGguf:
-        return gguf_linear_->call(x, linear.parts, linear.types, linear.bias,
-                                  linear.out_features);
-      case kGgufInt8:
-        return gguf_linear_int8_->call(x, linear.parts, linear.types, linear.bias,
-                                       linear.out_features);
-    }
-    TORCH_CHECK(false, "DecodeLayers: bad linear method");
-  }
-
-  std::vector<at::Tensor> norms_;
-  std::vector<Linear> linears_;
+  std::vector<c10::intrusive_ptr<DecodeLayer>> layers_;
   std::vector<at::Tensor> caches_;
-  std::vector<int64_t> group_starts_;
-  int64_t all_reduce_handle_;
-  int64_t qkv_width_;
-  at::Tensor gather_index_;
-  std::vector<int64_t> o_slice_;
-  int64_t num_layers_ = 0;
-  int64_t num_heads_, num_kv_heads_, head_dim_;
-  double scale_, eps_;
-  c10::TypedOperatorHandle<PackedLinearFn> packed_linear_;
-  c10::TypedOperatorHandle<QuantizedLinearFn> quantized_linear_;
-  c10::TypedOperatorHandle<RmsNormFn> rms_norm_;
-  c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm_;
-  c10::TypedOperatorHandle<SiluAndMulFn> silu_and_mul_;
-  c10::TypedOperatorHandle<RotaryFn> rotary_and_cache_;
-  c10::TypedOperatorHandle<AttentionFn> paged_decode_attention_;
-  // int8_linear.cpp's op, looked up only where a layer uses it.
-  std::optional<c10::TypedOperatorHandle<QuantizedLinearFn>> quantized_linear_int8_;
-  std::optional<c10::TypedOperatorHandle<GgufLinearFn>> gguf_linear_, gguf_linear_int8_;
-  std::optional<c10::TypedOperatorHandle<AllReduceFn>> all_reduce_;
-  std::optional<c10::TypedOperatorHandle<AllGatherColumnsFn>> all_gather_columns_;
 };
 
 }  // namespace
 
 PIPELLM_LIBRARY_FRAGMENT(m) {
+  m.class_<DecodeLinear>("DecodeLinear")
+      .def(torch::init<>())
+      .def_readwrite("method", &DecodeLinear::method)
+      .def_readwrite("weight", &DecodeLinear::weight)
+      .def_readwrite("bias", &DecodeLinear::bias)
+      .def_readwrite("kind", &DecodeLinear::kind)
+      .def_readwrite("out_features", &DecodeLinear::out_features)
+      .def_readwrite("parts", &DecodeLinear::parts)
+      .def_readwrite("types", &DecodeLinear::types);
+  m.class_<DecodeLayer>("DecodeLayer")
+      .def(torch::init<>())
+      .def_readwrite("input_layernorm", &DecodeLayer::input_layernorm)
+      .def_readwrite("post_attention_layernorm", &DecodeLayer::post_attention_layernorm)
+      .def_readwrite("q_norm", &DecodeLayer::q_norm)
+      .def_readwrite("k_norm", &DecodeLayer::k_norm)
+      .def_readwrite("pre_feedforward_layernorm", &DecodeLayer::pre_feedforward_layernorm)
+      .def_readwrite("post_feedforward_layernorm", &DecodeLayer::post_feedforward_layernorm)
+      .def_readwrite("qkv_proj", &DecodeLayer::qkv_proj)
+      .def_readwrite("o_proj", &DecodeLayer::o_proj)
+      .def_readwrite("gate_up_proj", &DecodeLayer::gate_up_proj)
+      .def_readwrite("down_proj", &DecodeLayer::down_proj)
+      .def_readwrite("gelu_tanh", &DecodeLayer::gelu_tanh)
+      .def_readwrite("window", &DecodeLayer::window)
+      .def_readwrite("cache_group", &DecodeLayer::cache_group)
+      .def_readwrite("local_rope", &DecodeLayer::local_rope);
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
-                       int64_t, int64_t, double, double, std::vector<int64_t>, int64_t,
-                       int64_t, at::Tensor, std::vector<int64_t>, std::vector<at::Tensor>,
-                       std::vector<int64_t>>())
+      .def(torch::init<>())
+      .def_readwrite("num_heads", &DecodeLayers::num_heads)
+      .def_readwrite("num_kv_heads", &DecodeLayers::num_kv_heads)
+      .def_readwrite("head_dim", &DecodeLayers::head_dim)
+      .def_readwrite("scale", &DecodeLayers::scale)
+      .def_readwrite("eps", &DecodeLayers::eps)
+      .def_readwrite("group_starts", &DecodeLayers::group_starts)
+      .def_readwrite("comm_handle", &DecodeLayers::comm_handle)
+      .def_readwrite("gather_index", &DecodeLayers::gather_index)
+      .def_readwrite("qkv_width", &DecodeLayers::qkv_width)
+      .def_readwrite("o_slice", &DecodeLayers::o_slice)
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def("num_layers", &DecodeLayers::num_layers)
       .def("set_caches", &DecodeLayers::set_caches)
       .def("forward", &DecodeLayers::forward);
 }

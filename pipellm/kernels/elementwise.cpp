@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <immintrin.h>
 
@@ -45,76 +46,6 @@ void rms_norm_row(const float* x, const float* weight, float eps, int64_t width,
   for (; i < width; ++i) out[i] = x[i] * inverse * weight[i];
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight size");
-  const int64_t width = x.size(1);
-  at::Tensor out = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), grain_rows(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      rms_norm_row(xp + r * width, wp, static_cast<float>(eps), width, op + r * width);
-  });
-  return out;
-}
-
-// x += residual (in place: x then carries the residual stream on), returns rms_norm(x).
-at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& residual,
-                         const at::Tensor& weight, double eps) {
-  check_rows(x, "add_rms_norm_");
-  check_rows(residual, "add_rms_norm_");
-  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm_: x and residual differ in shape");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm_: weight");
-  const int64_t width = x.size(1);
-  at::Tensor out = at::empty_like(x);
-  float* xp = x.data_ptr<float>();
-  const float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), grain_rows(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = xp + r * width;
-      const float* res = rp + r * width;
-      int64_t i = 0;
-      for (; i + 8 <= width; i += 8)
-        _mm256_storeu_ps(row + i, _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(res + i)));
-      for (; i < width; ++i) row[i] += res[i];
-      rms_norm_row(row, wp, static_cast<float>(eps), width, op + r * width);
-    }
-  });
-  return out;
-}
-
-// gate_up: [T, 2 I], gate then up. Returns [T, I]: silu(gate) * up = gate * up / (1 + e^-gate).
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_and_mul");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: odd width");
-  const int64_t width = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const __m256 one = _mm256_set1_ps(1.0f);
-  at::parallel_for(0, gate_up.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = in + r * 2 * width;
-      const float* up = gate + width;
-      float* row = op + r * width;
-      int64_t i = 0;
-      for (; i + 8 <= width; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 denominator =
-            _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-        _mm256_storeu_ps(row + i,
-                         _mm256_div_ps(_mm256_mul_ps(g, _mm256_loadu_ps(up + i)), denominator));
-      }
-      for (; i < width; ++i) row[i] = gate[i] * up[i] / (1.0f + std::exp(-gate[i]));
-    }
-  });
-  return out;
-}
-
 // The index of the first largest value of x[0, width), or of its first NaN, as torch.argmax
 // answers (a NaN is larger than any number). Two passes over the row (which stays in L2): the
 // maximum, then its first position; torch's reduction takes ~105 us for SmolLM2's 49152-wide
@@ -151,8 +82,80 @@ int64_t argmax_row(const float* x, int64_t width) {
   return 0;  // width 0 is refused by the caller; an all -inf row has matched above
 }
 
+}  // namespace
+
+at::Tensor pipellm_ops::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: weight size");
+  const int64_t width = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row(xp + r * width, wp, static_cast<float>(eps), width, op + r * width);
+  });
+  return out;
+}
+
+// x += residual (in place: x then carries the residual stream on), returns rms_norm(x).
+at::Tensor pipellm_ops::add_rms_norm_(const at::Tensor& x, const at::Tensor& residual,
+                                      const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm_");
+  check_rows(residual, "add_rms_norm_");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm_: x and residual differ in shape");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm_: weight");
+  const int64_t width = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), grain_rows(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = xp + r * width;
+      const float* res = rp + r * width;
+      int64_t i = 0;
+      for (; i + 8 <= width; i += 8)
+        _mm256_storeu_ps(row + i, _mm256_add_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(res + i)));
+      for (; i < width; ++i) row[i] += res[i];
+      rms_norm_row(row, wp, static_cast<float>(eps), width, op + r * width);
+    }
+  });
+  return out;
+}
+
+// gate_up: [T, 2 I], gate then up. Returns [T, I]: silu(gate) * up = gate * up / (1 + e^-gate).
+at::Tensor pipellm_ops::silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_and_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: odd width");
+  const int64_t width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f);
+  at::parallel_for(0, gate_up.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * 2 * width;
+      const float* up = gate + width;
+      float* row = op + r * width;
+      int64_t i = 0;
+      for (; i + 8 <= width; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 denominator =
+            _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+        _mm256_storeu_ps(row + i,
+                         _mm256_div_ps(_mm256_mul_ps(g, _mm256_loadu_ps(up + i)), denominator));
+      }
+      for (; i < width; ++i) row[i] = gate[i] * up[i] / (1.0f + std::exp(-gate[i]));
+    }
+  });
+  return out;
+}
+
 // x: [rows, width] -> [rows] int64, each row's argmax (torch.argmax(x, -1)).
-at::Tensor argmax_rows(const at::Tensor& x) {
+at::Tensor pipellm_ops::argmax_rows(const at::Tensor& x) {
   check_rows(x, "argmax_rows");
   TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows of width 0 have no argmax");
   const int64_t width = x.size(1);
@@ -165,12 +168,10 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
-
 PIPELLM_LIBRARY_FRAGMENT(m) {
-  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("argmax_rows(Tensor x) -> Tensor", &pipellm_ops::argmax_rows);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pipellm_ops::rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor",
-        &add_rms_norm_);
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+        &pipellm_ops::add_rms_norm_);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &pipellm_ops::silu_and_mul);
 }

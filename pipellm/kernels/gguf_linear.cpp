@@ -25,6 +25,7 @@
 #include "gemm_microkernel.h"
 #include "gguf_types.h"
 #include "kernel_library.h"
+#include "kernel_ops.h"
 #include "panel_output.h"
 
 #include <algorithm>
@@ -442,13 +443,30 @@ at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& blocks, int64
 }  // namespace
 }  // namespace pipellm_gguf
 
+// The ops, as kernel_ops.h declares them.
+at::Tensor pipellm_ops::gguf_linear(const at::Tensor& input, at::TensorList parts,
+                                    at::IntArrayRef types, const std::optional<at::Tensor>& bias,
+                                    int64_t out_features) {
+  return pipellm_gguf::gguf_linear(input, parts, types, bias, out_features);
+}
+at::Tensor pipellm_ops::gguf_linear_int8(const at::Tensor& input, at::TensorList parts,
+                                         at::IntArrayRef types,
+                                         const std::optional<at::Tensor>& bias,
+                                         int64_t out_features) {
+  return pipellm_gguf::gguf_linear_int8(input, parts, types, bias, out_features);
+}
+at::Tensor pipellm_ops::gguf_embedding(const at::Tensor& ids, const at::Tensor& blocks,
+                                       int64_t ggml_type, int64_t hidden) {
+  return pipellm_gguf::gguf_embedding(ids, blocks, ggml_type, hidden);
+}
+
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def("gguf_linear(Tensor x, Tensor[] parts, int[] types, Tensor? bias, int out_features) "
         "-> Tensor",
-        &pipellm_gguf::gguf_linear);
+        &pipellm_ops::gguf_linear);
   m.def("gguf_linear_int8(Tensor x, Tensor[] parts, int[] types, Tensor? bias, "
         "int out_features) -> Tensor",
-        &pipellm_gguf::gguf_linear_int8);
+        &pipellm_ops::gguf_linear_int8);
   m.def("gguf_embedding(Tensor ids, Tensor blocks, int type, int hidden) -> Tensor",
-        &pipellm_gguf::gguf_embedding);
+        &pipellm_ops::gguf_embedding);
 }

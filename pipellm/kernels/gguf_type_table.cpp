@@ -4,6 +4,7 @@
 
 #include "gguf_types.h"
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <vector>
 
@@ -27,19 +28,17 @@ const GgufType* find_gguf_type(int64_t ggml_type) {
   return nullptr;
 }
 
-namespace {
+}  // namespace pipellm_gguf
+
 // [ggml type, block values, block bytes, has an int8 path] for each type the kernels take.
-std::vector<int64_t> gguf_kernel_types() {
+std::vector<int64_t> pipellm_ops::gguf_kernel_types() {
   std::vector<int64_t> rows;
-  for (const GgufType* type : kTypes)
+  for (const pipellm_gguf::GgufType* type : pipellm_gguf::kTypes)
     rows.insert(rows.end(), {type->ggml_type, type->block_values, type->block_bytes,
                              type->decode != nullptr});
   return rows;
 }
-}  // namespace
-
-}  // namespace pipellm_gguf
 
 PIPELLM_LIBRARY_FRAGMENT(m) {
-  m.def("gguf_kernel_types() -> int[]", &pipellm_gguf::gguf_kernel_types);
+  m.def("gguf_kernel_types() -> int[]", &pipellm_ops::gguf_kernel_types);
 }

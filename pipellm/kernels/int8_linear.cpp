@@ -46,6 +46,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <immintrin.h>
 
@@ -588,8 +589,11 @@ Int8BlockFn int8_block_avx2_for(int64_t rows, int64_t panels) {
   return rows == 2 ? int8_block_avx2<Kind, 2, 1> : int8_block_avx2<Kind, 3, 1>;
 }
 
-at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
-                                 const std::optional<at::Tensor>& bias, int64_t out_features) {
+}  // namespace
+
+at::Tensor pipellm_ops::quantized_linear_int8(const at::Tensor& input, const at::Tensor& packed,
+                                              int64_t kind, const std::optional<at::Tensor>& bias,
+                                              int64_t out_features) {
 #if defined(__AVX512F__)
   static const bool use_vnni = cpu_has_vnni();
 #else
@@ -645,10 +649,8 @@ at::Tensor quantized_linear_int8(const at::Tensor& input, const at::Tensor& pack
   return y.finish();
 }
 
-}  // namespace
-
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def("quantized_linear_int8(Tensor x, Tensor packed, int kind, Tensor? bias, "
         "int out_features) -> Tensor",
-        &quantized_linear_int8);
+        &pipellm_ops::quantized_linear_int8);
 }

@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <immintrin.h>
 
@@ -34,7 +35,9 @@ constexpr int64_t kRowsBlock = 48;
 constexpr int64_t kDepthBlock = 256;
 constexpr int64_t kPrefetchPanels = 4;  // how far ahead the first row block prefetches
 
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
+}  // namespace
+
+at::Tensor pipellm_ops::pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_linear_weight: a 2-D float32 CPU weight [out_features, in_features]");
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -44,8 +47,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
 }
 
-at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
-                         const std::optional<at::Tensor>& bias, int64_t out_features) {
+at::Tensor pipellm_ops::packed_linear(const at::Tensor& input, const at::Tensor& packed,
+                                      const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "packed_linear: x must be a 2-D float32 CPU tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
@@ -82,10 +85,8 @@ at::Tensor packed_linear(const at::Tensor& input, const at::Tensor& packed,
   return y.finish();
 }
 
-}  // namespace
-
 PIPELLM_LIBRARY_FRAGMENT(m) {
-  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pack_linear_weight);
+  m.def("pack_linear_weight(Tensor weight) -> Tensor", &pipellm_ops::pack_linear_weight);
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
-        &packed_linear);
+        &pipellm_ops::packed_linear);
 }

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <immintrin.h>
 
@@ -131,13 +132,17 @@ AttendFn attend_for(int64_t head_dim) {
   }
 }
 
+}  // namespace
+
 // out, query: [S, H, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
 // block_tables: [S, max_blocks] int64; context_lens: [S] int64, tokens to attend to (>= 1);
 // window > 0: only the last `window` of them (a sliding-window layer).
-void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
-                            const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale, at::OptionalIntArrayRef group_starts, int64_t window) {
+void pipellm_ops::paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
+                                         const at::Tensor& key_cache,
+                                         const at::Tensor& value_cache,
+                                         const at::Tensor& block_tables,
+                                         const at::Tensor& context_lens, double scale,
+                                         at::OptionalIntArrayRef group_starts, int64_t window) {
   for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
                 "paged_decode_attention: float32 CPU tensors only");
@@ -193,12 +198,10 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
   });
 }
 
-}  // namespace
-
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor context_lens, float scale, "
       "int[]? group_starts=None, int window=0) -> ()",
-      &paged_decode_attention);
+      &pipellm_ops::paged_decode_attention);
 }

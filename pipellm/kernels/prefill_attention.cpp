@@ -26,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <immintrin.h>
 
@@ -45,13 +46,15 @@ using pipellm_kernels::kRows;
 
 constexpr int64_t kQueryBlock = 64;
 
+}  // namespace
+
 // out, q: [L, H, D]; k, v: [prefix + L, Hkv, D], or with block_table the paged caches
 // [num_blocks, block_size, Hkv, D] and block_table [>= ceil((prefix + L) / block_size)] int64;
 // last dims contiguous, other strides free. Causal: query row r sees keys up to prefix + r.
-void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, double scale, at::OptionalIntArrayRef group_starts,
-                       int64_t window, int64_t prefix,
-                       const std::optional<at::Tensor>& block_table) {
+void pipellm_ops::prefill_attention(const at::Tensor& out, const at::Tensor& q,
+                                    const at::Tensor& k, const at::Tensor& v, double scale,
+                                    at::OptionalIntArrayRef group_starts, int64_t window,
+                                    int64_t prefix, const std::optional<at::Tensor>& block_table) {
   const bool paged = block_table.has_value();
   for (const at::Tensor* t : {&out, &q, &k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat &&
@@ -155,11 +158,9 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
   });
 }
 
-}  // namespace
-
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, "
       "int[]? group_starts=None, int window=0, int prefix=0, Tensor? block_table=None) -> ()",
-      &prefill_attention);
+      &pipellm_ops::prefill_attention);
 }

@@ -27,6 +27,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <immintrin.h>
 
@@ -515,8 +516,11 @@ at::Tensor quantized_linear_of(const at::Tensor& input, const at::Tensor& packed
   return y.finish();
 }
 
-at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, int64_t kind,
-                            const std::optional<at::Tensor>& bias, int64_t out_features) {
+}  // namespace
+
+at::Tensor pipellm_ops::quantized_linear(const at::Tensor& input, const at::Tensor& packed,
+                                         int64_t kind, const std::optional<at::Tensor>& bias,
+                                         int64_t out_features) {
   switch (kind) {
     case kQ4_1: return quantized_linear_of<Q4_1Record>(input, packed, bias, out_features);
     case kQ8_0: return quantized_linear_of<Q8_0Record>(input, packed, bias, out_features);
@@ -529,10 +533,8 @@ at::Tensor quantized_linear(const at::Tensor& input, const at::Tensor& packed, i
   }
 }
 
-}  // namespace
-
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def("quantized_linear(Tensor x, Tensor packed, int kind, Tensor? bias, int out_features) "
         "-> Tensor",
-        &quantized_linear);
+        &pipellm_ops::quantized_linear);
 }

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <immintrin.h>
 
@@ -33,12 +34,15 @@ inline void rotate_head(float* x, const float* cos, const float* sin, int64_t he
   for (; i < head_dim; ++i) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
 }
 
+}  // namespace
+
 // qkv: [T, num_heads + 2 num_kv_heads, head_dim], query heads, then key heads, then value heads;
 // cos, sin: [T, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
 // slot_mapping: [T] int64, the cache slot (block * block_size + offset) of each token.
-void rotary_and_cache_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                       const at::Tensor& key_cache, const at::Tensor& value_cache,
-                       const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+void pipellm_ops::rotary_and_cache_(const at::Tensor& qkv, const at::Tensor& cos,
+                                    const at::Tensor& sin, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                    int64_t num_heads, int64_t num_kv_heads) {
   for (const at::Tensor* t : {&qkv, &cos, &sin, &key_cache, &value_cache})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "rotary_and_cache_: contiguous float32 CPU tensors only");
@@ -78,11 +82,9 @@ void rotary_and_cache_(const at::Tensor& qkv, const at::Tensor& cos, const at::T
   });
 }
 
-}  // namespace
-
 PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def(
       "rotary_and_cache_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, "
       "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()",
-      &rotary_and_cache_);
+      &pipellm_ops::rotary_and_cache_);
 }

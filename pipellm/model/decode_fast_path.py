@@ -6,7 +6,12 @@ kernels (docs/performance.md, "The fused decode path").
 DecodeLayers (pipellm/kernels/decode_layers.cpp) runs the same kernels in the same order with
 the glue in C++, so its hidden states are bit-identical to the Python path's, which stays the
 reference and serves everything else: prefills and mixed batches, and any layer the kernels do
-not cover. PIPELLM_DECODE_FAST_PATH=0 turns it off, e.g. to compare.
+not cover. Every family switch of model/model_config.py is covered: q/k norms, Gemma 3's four
+norms a layer, the tanh-GELU gate, sliding-window layers with their own KV-cache group and
+RoPE base. PIPELLM_DECODE_FAST_PATH=0 turns it off, e.g. to compare.
+
+The weights reach C++ as one DecodeLayer per layer, a struct filled field by field by name
+(its norms, a DecodeLinear per linear layer, its switches), added to the stage's DecodeLayers.
 
 With tensor parallelism every rank takes it too: DecodeLayers calls the shared-memory
 all-reduce (parallel/shm_comm.cpp) where Attention and MLP call comm.all_reduce_ (and its
@@ -18,57 +23,51 @@ the all-reduce is torch.distributed's, out of C++'s reach: those ranks keep the 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
 
-from pipellm.kernels.cpu_kernels import (
-    DECODE_ATTENTION_HEAD_DIMS,
-    cpu_kernels_available,
-    kernel_class,
-    ops,
-)
+from pipellm.kernels.cpu_kernels import DECODE_ATTENTION_HEAD_DIMS, cpu_kernels_available, ops
+from pipellm.kernels.kernel_ops import KernelOps
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.model.gguf_linear import QuantizedLinear
 from pipellm.model.linear import PackedLinear
-from pipellm.model.model_config import ModelConfig
 from pipellm.parallel.shm_comm import ShmComm
 
 FAST_PATH_ENV = "PIPELLM_DECODE_FAST_PATH"
-# DecodeLayers' linear methods (decode_layers.cpp's Method).
+# DecodeLinear's methods (decode_layers.cpp's Method).
 _PACKED, _QUANTIZED, _QUANTIZED_INT8, _GGUF, _GGUF_INT8 = 0, 1, 2, 3, 4
 
 
-def _method_and_kind(linear: nn.Module) -> tuple[int, int] | None:
+def _method(linear: nn.Module) -> int | None:
     """How DecodeLayers computes this linear, as the Python path does; None if it can't."""
     kernels = ops()
+    # `==`, not `is`: each access to a method makes a new bound method.
     if isinstance(linear, PackedLinear) and linear.own_kernel:
-        return (_PACKED, 0) if linear.linear_op is kernels.packed_linear else None
+        return _PACKED if linear.linear_op == kernels.packed_linear else None
     if isinstance(linear, QuantizedLinear):
         # A layer built for another kernel level (tests compare levels) keeps the Python path.
-        if linear.linear_op is kernels.quantized_linear:
-            return _QUANTIZED, linear.kernel_kind
-        if linear.int8_activations and linear.linear_op is kernels.quantized_linear_int8:
-            return _QUANTIZED_INT8, linear.kernel_kind
-        # The stored parts: `kind` is how many (DecodeLayers takes them from gguf_parts).
-        if linear.linear_op is kernels.gguf_linear:
-            return _GGUF, len(linear.part_blocks)
-        if linear.int8_activations and linear.linear_op is kernels.gguf_linear_int8:
-            return _GGUF_INT8, len(linear.part_blocks)
+        if linear.linear_op == kernels.quantized_linear:
+            return _QUANTIZED
+        if linear.int8_activations and linear.linear_op == kernels.quantized_linear_int8:
+            return _QUANTIZED_INT8
+        if linear.linear_op == kernels.gguf_linear:
+            return _GGUF
+        if linear.int8_activations and linear.linear_op == kernels.gguf_linear_int8:
+            return _GGUF_INT8
     return None
 
 
-def _unfused_switch(config: ModelConfig) -> str | None:
-    """The first family switch (model/model_config.py) DecodeLayers does not implement."""
-    if config.qk_norm:
-        return "q/k norms"
-    if config.sandwich_norms:
-        return "norms after attention and the MLP"
-    if config.hidden_activation != "silu":
-        return f"{config.hidden_activation} activation"
-    if config.sliding_window_layers:
-        return "sliding-window layers"
-    return None
+def _linears(layer: nn.Module) -> dict[str, nn.Module]:
+    """A decoder layer's linear layers, by DecodeLayer's field names."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return {
+        "qkv_proj": attention.qkv_proj,
+        "o_proj": attention.o_proj,
+        "gate_up_proj": mlp.gate_up_proj,
+        "down_proj": mlp.down_proj,
+    }
 
 
 def why_not_fused(stage: nn.Module) -> str | None:
@@ -84,74 +83,80 @@ def why_not_fused(stage: nn.Module) -> str | None:
         return f"the kernels take float32, the model runs {stage.dtype}"
     if stage.config.head_dim not in DECODE_ATTENTION_HEAD_DIMS:
         return f"head_dim {stage.config.head_dim} has no decode attention kernel"
-    switch = _unfused_switch(stage.config)
-    if switch is not None:
-        return f"DecodeLayers has no {switch}"
     for layer in stage.layers:
-        linears = (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-        for linear in linears:
-            if _method_and_kind(linear) is None:
+        for linear in _linears(layer).values():
+            if _method(linear) is None:
                 return f"a linear layer not on pipellm's kernels ({type(linear).__name__})"
     return None
+
+
+def _decode_linear(kernels: KernelOps, linear: nn.Module) -> Any:
+    """A DecodeLinear of `linear`'s weights, for the method the Python path uses."""
+    method = _method(linear)
+    fields = kernels.decode_linear()
+    fields.method = method
+    fields.out_features = linear.out_features
+    fields.bias = None if linear.bias is None else linear.bias.detach()
+    if method in (_GGUF, _GGUF_INT8):
+        fields.parts = list(linear.part_blocks)
+        fields.types = list(linear.part_types)
+    else:
+        fields.weight = linear.packed_weight
+        fields.kind = 0 if method == _PACKED else linear.kernel_kind
+    return fields
+
+
+def _decode_layer(kernels: KernelOps, layer: nn.Module, gelu_tanh: bool) -> Any:
+    """A DecodeLayer of a DecoderLayer (model/llama.py): its norms, linears and switches."""
+    fields = kernels.decode_layer()
+    norms = ("input_layernorm", "post_attention_layernorm")
+    norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    for name in norms:
+        norm = getattr(layer, name)
+        if norm is not None:
+            setattr(fields, name, norm.weight.detach())
+    attention = layer.self_attn
+    if attention.q_norm is not None:
+        fields.q_norm = attention.q_norm.weight.detach()
+        fields.k_norm = attention.k_norm.weight.detach()
+    for name, linear in _linears(layer).items():
+        setattr(fields, name, _decode_linear(kernels, linear))
+    fields.gelu_tanh = gelu_tanh
+    fields.window = attention.window
+    fields.cache_group = layer.cache_group
+    fields.local_rope = layer.uses_local_rope
+    return fields
 
 
 class DecodeFastPath:
     """The stage's layers as one DecodeLayers object, built once from the prepared modules."""
 
     def __init__(self, stage: nn.Module) -> None:
-        norms, weights, biases, methods, kinds, out_features = [], [], [], [], [], []
-        gguf_parts, gguf_types = [], []
-        no_bias = no_weight = torch.empty(0)
-        for layer in stage.layers:
-            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            attention, mlp = layer.self_attn, layer.mlp
-            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                method, kind = _method_and_kind(linear)
-                if method in (_GGUF, _GGUF_INT8):
-                    weights.append(no_weight)
-                    gguf_parts += linear.part_blocks
-                    gguf_types += linear.part_types
-                else:
-                    weights.append(linear.packed_weight)
-                biases.append(no_bias if linear.bias is None else linear.bias.detach())
-                methods.append(method)
-                kinds.append(kind)
-                out_features.append(linear.out_features)
-        first = stage.layers[0].self_attn if len(stage.layers) else None
-        # Every layer of a rank holds the same heads (model/tp_plan.py).
-        group_starts = list(first.group_starts or ()) if first else []
-        gathers = first is not None and first.gather_index is not None
-        gather_index = first.gather_index if gathers else torch.empty(0, dtype=torch.long)
-        o_columns = first.o_proj.in_features if first else 0
-        sliced = first is not None and o_columns != first.num_heads * stage.config.head_dim
-        o_slice = [first.o_offset, o_columns] if sliced else []
+        kernels = ops()
+        self.layers = kernels.decode_layers()
         self.comm = stage.comm  # kept: DecodeLayers holds its handle
-        self.layers = kernel_class("DecodeLayers")(
-            [norm.detach() for norm in norms],
-            weights,
-            biases,
-            methods,
-            kinds,
-            out_features,
-            first.num_heads if first else 0,
-            first.num_kv_heads if first else 0,
-            stage.config.head_dim,
-            first.scale if first else 1.0,
-            stage.config.rms_norm_eps,
-            group_starts,
-            stage.comm.handle if stage.comm is not None else 0,
-            first.qkv_width if gathers else 0,
-            gather_index,
-            o_slice,
-            gguf_parts,
-            gguf_types,
-        )
+        self.local_rope = stage.local_rope  # the window layers' RoPE, if theirs differs
+        if len(stage.layers):
+            self._set_attention(stage.layers[0].self_attn, stage)
+        gelu_tanh = stage.config.hidden_activation == "gelu_pytorch_tanh"
+        for layer in stage.layers:
+            self.layers.add_layer(_decode_layer(kernels, layer, gelu_tanh))
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _set_attention(self, first: nn.Module, stage: nn.Module) -> None:
+        """The attention geometry and tensor-parallel wiring, the same for every layer of a
+        rank (model/tp_plan.py)."""
+        layers = self.layers
+        layers.num_heads, layers.num_kv_heads = first.num_heads, first.num_kv_heads
+        layers.head_dim, layers.scale = stage.config.head_dim, first.scale
+        layers.eps = stage.config.rms_norm_eps
+        layers.group_starts = list(first.group_starts or ())
+        layers.comm_handle = stage.comm.handle if stage.comm is not None else 0
+        if first.gather_index is not None:
+            layers.gather_index, layers.qkv_width = first.gather_index, first.qkv_width
+        o_columns = first.o_proj.in_features
+        if o_columns != first.num_heads * stage.config.head_dim:
+            layers.o_slice = [first.o_offset, o_columns]
 
     @staticmethod
     def applies(batch: ForwardBatch) -> bool:
@@ -169,12 +174,14 @@ class DecodeFastPath:
         if kv_caches is not self._bound:  # the worker allocates its caches once, after load
             self.layers.set_caches([cache for pair in kv_caches for cache in pair])
             self._bound = kv_caches
-        cos, sin = cos_sin
+        rope = list(cos_sin)
+        if self.local_rope is not None:
+            rope += self.local_rope.tables(batch.positions)
+        groups = [batch, *batch.group_batches]
         return self.layers.forward(
             x.contiguous(),
-            cos,
-            sin,
-            batch.slot_mapping,
-            batch.decode_block_tables,
-            batch.decode_context_lens,
+            rope,
+            [group.slot_mapping for group in groups],
+            [group.decode_block_tables for group in groups],
+            [group.decode_context_lens for group in groups],
         )

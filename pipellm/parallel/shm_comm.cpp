@@ -30,8 +30,10 @@
 // cores a spinning rank would otherwise hold the core its peer needs. While yielding it checks
 // every ~100 ms that its peers are alive (kill(pid, 0), /proc state) and throws, naming the dead one,
 // rather than hang.
-#include <torch/extension.h>
-#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include "kernel_library.h"
+#include "kernel_ops.h"
 
 #include <atomic>
 #include <cerrno>
@@ -171,8 +173,45 @@ struct Comm {
 
 Comm* as_comm(int64_t handle) { return reinterpret_cast<Comm*>(handle); }
 
-int64_t open_segment(const std::string& name, bool create, int64_t size, int64_t rank,
-                     int64_t capacity) {
+// out holds this rank's own part already. Two ranks: out += the peer's part (a + b == b + a
+// bit for bit, so both ranks agree, and the own slot is never read back). More: the sum in
+// rank order from the slots, identical on every rank.
+void sum_float(float* __restrict out, const Comm& c, uint64_t s, int64_t n) {
+  if (c.size == 2) {
+    const float* __restrict peer = reinterpret_cast<const float*>(c.slot(s, 1 - c.rank));
+    for (int64_t i = 0; i < n; ++i) out[i] += peer[i];
+    return;
+  }
+  std::memcpy(out, c.slot(s, 0), n * sizeof(float));
+  for (int r = 1; r < c.size; ++r) {
+    const float* __restrict part = reinterpret_cast<const float*>(c.slot(s, r));
+    for (int64_t i = 0; i < n; ++i) out[i] += part[i];
+  }
+}
+
+// shm_all_gather_columns' copy of `rows` rows from the slots, for T of the elements' size.
+template <typename T>
+void pick_columns(const Comm& c, uint64_t s, int64_t width, const int64_t* index, int64_t picked,
+                  int64_t rows, T* out) {
+  std::vector<const T*> columns(picked);  // each picked column's first element in its slot
+  for (int64_t j = 0; j < picked; ++j) {
+    const int rank = static_cast<int>(index[j] / width);
+    columns[j] = reinterpret_cast<const T*>(c.slot(s, rank)) + index[j] % width;
+  }
+  for (int64_t t = 0; t < rows; ++t) {
+    T* row = out + t * picked;
+    const int64_t offset = t * width;
+    for (int64_t j = 0; j < picked; ++j) row[j] = columns[j][offset];
+  }
+}
+
+}  // namespace
+
+// The ops (kernel_ops.h): the Python side (pipellm/parallel/shm_comm.py, through
+// pipellm/kernels/kernel_ops.py) and the fused decode path (decode_layers.cpp) call them.
+
+int64_t pipellm_ops::shm_open_segment(const std::string& name, bool create, int64_t size,
+                                      int64_t rank, int64_t capacity) {
   TORCH_CHECK(size > 1 && size <= kMaxRanks, "shm comm: size must be in [2, ", kMaxRanks, "]");
   TORCH_CHECK(rank >= 0 && rank < size, "shm comm: bad rank ", rank);
   TORCH_CHECK(capacity > 0 && capacity % 64 == 0, "shm comm: capacity must be a multiple of 64");
@@ -212,33 +251,17 @@ int64_t open_segment(const std::string& name, bool create, int64_t size, int64_t
   return reinterpret_cast<int64_t>(comm);
 }
 
-void close_segment(int64_t handle) {
+void pipellm_ops::shm_close_segment(int64_t handle) {
   Comm* comm = as_comm(handle);
   munmap(comm->base, comm->bytes);
   delete comm;
 }
 
-void unlink_segment(const std::string& name) { shm_unlink(name.c_str()); }
-
-// out holds this rank's own part already. Two ranks: out += the peer's part (a + b == b + a
-// bit for bit, so both ranks agree, and the own slot is never read back). More: the sum in
-// rank order from the slots, identical on every rank.
-void sum_float(float* __restrict out, const Comm& c, uint64_t s, int64_t n) {
-  if (c.size == 2) {
-    const float* __restrict peer = reinterpret_cast<const float*>(c.slot(s, 1 - c.rank));
-    for (int64_t i = 0; i < n; ++i) out[i] += peer[i];
-    return;
-  }
-  std::memcpy(out, c.slot(s, 0), n * sizeof(float));
-  for (int r = 1; r < c.size; ++r) {
-    const float* __restrict part = reinterpret_cast<const float*>(c.slot(s, r));
-    for (int64_t i = 0; i < n; ++i) out[i] += part[i];
-  }
-}
+void pipellm_ops::shm_unlink_segment(const std::string& name) { shm_unlink(name.c_str()); }
 
 // Sums x over the ranks, in place. Float32 takes the loop above; other dtypes add with ATen,
 // in the same rank order.
-void all_reduce_(int64_t handle, torch::Tensor x) {
+void pipellm_ops::shm_all_reduce_(const at::Tensor& x, int64_t handle) {
   Comm& c = *as_comm(handle);
   TORCH_CHECK(x.is_cpu() && x.is_contiguous(), "shm all_reduce_: a contiguous CPU tensor");
   const int64_t itemsize = x.element_size();
@@ -250,19 +273,19 @@ void all_reduce_(int64_t handle, torch::Tensor x) {
     const uint64_t s = ++c.seq;
     char* mine = data + done * itemsize;
     c.share(s, mine, n * itemsize);
-    if (x.scalar_type() == torch::kFloat) {
+    if (x.scalar_type() == at::kFloat) {
       sum_float(reinterpret_cast<float*>(mine), c, s, n);
       continue;
     }
     auto options = x.options();
-    auto out = torch::from_blob(mine, {n}, options);
-    out.copy_(torch::from_blob(c.slot(s, 0), {n}, options));
-    for (int r = 1; r < c.size; ++r) out.add_(torch::from_blob(c.slot(s, r), {n}, options));
+    auto out = at::from_blob(mine, {n}, options);
+    out.copy_(at::from_blob(c.slot(s, 0), {n}, options));
+    for (int r = 1; r < c.size; ++r) out.add_(at::from_blob(c.slot(s, r), {n}, options));
   }
 }
 
 // out[r] = rank r's x, for out of shape [size, *x.shape].
-void all_gather(int64_t handle, torch::Tensor x, torch::Tensor out) {
+void pipellm_ops::shm_all_gather(const at::Tensor& x, const at::Tensor& out, int64_t handle) {
   Comm& c = *as_comm(handle);
   TORCH_CHECK(x.is_cpu() && x.is_contiguous() && out.is_contiguous(),
               "shm all_gather: contiguous CPU tensors");
@@ -285,25 +308,11 @@ void all_gather(int64_t handle, torch::Tensor x, torch::Tensor out) {
 // from the slots, in one call. Tensor parallelism's q/k/v rows of heads that straddle ranks
 // (model/tp_plan.py): no gathered copy, permute or index_select on the way (their time was
 // not measured apart). Rows go through in chunks that fit a slot.
-template <typename T>
-void pick_columns(const Comm& c, uint64_t s, int64_t width, const int64_t* index, int64_t picked,
-                  int64_t rows, T* out) {
-  std::vector<const T*> columns(picked);  // each picked column's first element in its slot
-  for (int64_t j = 0; j < picked; ++j) {
-    const int rank = static_cast<int>(index[j] / width);
-    columns[j] = reinterpret_cast<const T*>(c.slot(s, rank)) + index[j] % width;
-  }
-  for (int64_t t = 0; t < rows; ++t) {
-    T* row = out + t * picked;
-    const int64_t offset = t * width;
-    for (int64_t j = 0; j < picked; ++j) row[j] = columns[j][offset];
-  }
-}
-
-void all_gather_columns(int64_t handle, torch::Tensor x, torch::Tensor index, torch::Tensor out) {
+void pipellm_ops::shm_all_gather_columns(const at::Tensor& x, const at::Tensor& index,
+                                         const at::Tensor& out, int64_t handle) {
   Comm& c = *as_comm(handle);
   TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.is_contiguous() && out.is_contiguous() &&
-                  index.is_contiguous() && index.scalar_type() == torch::kLong,
+                  index.is_contiguous() && index.scalar_type() == at::kLong,
               "shm all_gather_columns: contiguous CPU x [T, W], out [T, J], int64 index [J]");
   const int64_t rows = x.size(0), width = x.size(1), picked = index.numel();
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == picked &&
@@ -333,13 +342,17 @@ void all_gather_columns(int64_t handle, torch::Tensor x, torch::Tensor index, to
   }
 }
 
-// Rank `root` sends `data` to every other rank (which calls broadcast_recv). The root does not
-// wait for them: its next operation does, before it writes over the slot they read. Each
-// chunk starts with the whole message's length.
-void broadcast_send(int64_t handle, const std::string& data) {
+// Rank `root` sends `data` (uint8) to every other rank (which calls broadcast_recv). The root
+// does not wait for them: its next operation does, before it writes over the slot they read.
+// Each chunk starts with the whole message's length.
+void pipellm_ops::shm_broadcast_send(const at::Tensor& data, int64_t handle) {
   Comm& c = *as_comm(handle);
+  TORCH_CHECK(data.is_cpu() && data.scalar_type() == at::kByte && data.dim() == 1 &&
+                  data.is_contiguous(),
+              "shm broadcast_send: a contiguous 1-D uint8 CPU tensor");
   const int64_t room = c.capacity - static_cast<int64_t>(sizeof(int64_t));
-  const int64_t total = static_cast<int64_t>(data.size());
+  const int64_t total = data.numel();
+  const uint8_t* bytes = data.data_ptr<uint8_t>();
   int64_t done = 0;
   do {
     const int64_t n = std::min(room, total - done);
@@ -347,66 +360,42 @@ void broadcast_send(int64_t handle, const std::string& data) {
     c.wait_until_slots_free(s);
     char* slot = c.slot(s, c.rank);
     std::memcpy(slot, &total, sizeof(total));
-    std::memcpy(slot + sizeof(total), data.data() + done, n);
+    std::memcpy(slot + sizeof(total), bytes + done, n);
     c.header()->flags[c.rank].seq.store(s, std::memory_order_release);
     done += n;
   } while (done < total);
 }
 
-// Receives rank `root`'s broadcast_send. Waiting through idle time sleeps (Comm::wait_for),
-// and a root that died is named rather than waited for.
-py::bytes broadcast_recv(int64_t handle, int64_t root) {
+// Receives rank `root`'s broadcast_send, as uint8. Waiting through idle time sleeps
+// (Comm::wait_for), and a root that died is named rather than waited for.
+at::Tensor pipellm_ops::shm_broadcast_recv(int64_t handle, int64_t root) {
   Comm& c = *as_comm(handle);
-  std::string data;
-  {
-    py::gil_scoped_release no_gil;
-    int64_t total = 0, done = 0;
-    do {
-      const uint64_t s = ++c.seq;
-      c.wait_for(static_cast<int>(root), s, true);
-      const char* slot = c.slot(s, static_cast<int>(root));
-      std::memcpy(&total, slot, sizeof(total));
-      if (done == 0) data.resize(total);
-      const int64_t n = std::min(c.capacity - static_cast<int64_t>(sizeof(total)), total - done);
-      std::memcpy(data.data() + done, slot + sizeof(total), n);
-      c.header()->flags[c.rank].seq.store(s, std::memory_order_release);
-      done += n;
-    } while (done < total);
-  }
-  return py::bytes(data);
+  at::Tensor data;
+  int64_t total = 0, done = 0;
+  do {
+    const uint64_t s = ++c.seq;
+    c.wait_for(static_cast<int>(root), s, true);
+    const char* slot = c.slot(s, static_cast<int>(root));
+    std::memcpy(&total, slot, sizeof(total));
+    if (done == 0) data = at::empty({total}, at::TensorOptions().dtype(at::kByte));
+    const int64_t n = std::min(c.capacity - static_cast<int64_t>(sizeof(total)), total - done);
+    std::memcpy(data.data_ptr<uint8_t>() + done, slot + sizeof(total), n);
+    c.header()->flags[c.rank].seq.store(s, std::memory_order_release);
+    done += n;
+  } while (done < total);
+  return data;
 }
 
-// The same all-reduce as an op, torch.ops.pipellm_shm.all_reduce_(x, handle), for C++ callers:
-// the fused decode path (pipellm/kernels/decode_layers.cpp) looks it up by name, only with
-// tensor parallelism, so the kernels never need this library otherwise.
-void all_reduce_op(const at::Tensor& x, int64_t handle) { all_reduce_(handle, x); }
-
-// And all_gather_columns, for the q/k/v rows of heads that straddle ranks.
-void all_gather_columns_op(const at::Tensor& x, const at::Tensor& index, const at::Tensor& out,
-                           int64_t handle) {
-  all_gather_columns(handle, x, index, out);
-}
-
-}  // namespace
-
-TORCH_LIBRARY(pipellm_shm, m) {
-  m.def("all_reduce_(Tensor(a!) x, int handle) -> ()", &all_reduce_op);
-  m.def("all_gather_columns(Tensor x, Tensor index, Tensor(a!) out, int handle) -> ()",
-        &all_gather_columns_op);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("open", &open_segment, "map (and with create, make) a group's segment; a handle");
-  m.def("close", &close_segment, "unmap a handle's segment");
-  m.def("unlink", &unlink_segment, "remove a segment's name (mappings stay valid)");
-  m.def("all_reduce_", &all_reduce_, "sum over the ranks, in place",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("all_gather", &all_gather, "every rank's tensor into out[rank]",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("all_gather_columns", &all_gather_columns,
-        "out[t, j] = column index[j] of the ranks' rows side by side",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("broadcast_send", &broadcast_send, "the root's bytes to every other rank",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("broadcast_recv", &broadcast_recv, "the bytes the root rank sent");
+PIPELLM_LIBRARY_FRAGMENT(m) {
+  m.def("shm_open_segment(str name, bool create, int size, int rank, int capacity) -> int",
+        &pipellm_ops::shm_open_segment);
+  m.def("shm_close_segment(int handle) -> ()", &pipellm_ops::shm_close_segment);
+  m.def("shm_unlink_segment(str name) -> ()", &pipellm_ops::shm_unlink_segment);
+  m.def("shm_all_reduce_(Tensor(a!) x, int handle) -> ()", &pipellm_ops::shm_all_reduce_);
+  m.def("shm_all_gather(Tensor x, Tensor(a!) out, int handle) -> ()",
+        &pipellm_ops::shm_all_gather);
+  m.def("shm_all_gather_columns(Tensor x, Tensor index, Tensor(a!) out, int handle) -> ()",
+        &pipellm_ops::shm_all_gather_columns);
+  m.def("shm_broadcast_send(Tensor data, int handle) -> ()", &pipellm_ops::shm_broadcast_send);
+  m.def("shm_broadcast_recv(int handle, int root) -> Tensor", &pipellm_ops::shm_broadcast_recv);
 }

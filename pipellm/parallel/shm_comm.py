@@ -1,11 +1,14 @@
 """The shared-memory communicator of a tensor-parallel group whose ranks share a host.
 
 The collectives are C++ (shm_comm.cpp, its header says how the lock-free handshake works),
-built once like pipellm's CPU kernels and cached under $TORCH_EXTENSIONS_DIR. No segment
-outlives its group: rank 0 creates it under a name holding its pid, every rank maps it, and
-rank 0 removes the name as soon as all have (a gloo barrier), so the memory goes away with
-the last process, however it ends. A rank that dies between creation and that barrier leaves
-a name behind: the next group on the host removes names whose creator pid is gone.
+built into pipellm's kernel library with the other kernels (pipellm/kernels/cpu_kernels.py:
+`make install` builds it, per instruction-set level) and called through its op wrappers
+(pipellm/kernels/kernel_ops.py). Where that library cannot be built (not x86-64 with AVX2, no
+compiler) the group uses gloo. No segment outlives its group: rank 0 creates it under a name
+holding its pid, every rank maps it, and rank 0 removes the name as soon as all have (a gloo
+barrier), so the memory goes away with the last process, however it ends. A rank that dies
+between creation and that barrier leaves a name behind: the next group on the host removes
+names whose creator pid is gone.
 """
 
 from __future__ import annotations
@@ -15,15 +18,15 @@ import logging
 import os
 import secrets
 from pathlib import Path
-from types import ModuleType
 
 import psutil
 import torch
 import torch.distributed as dist
 
+from pipellm.kernels.kernel_ops import KernelOps
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("shm_comm.cpp")
 PREFIX = "pipellm-tp-"  # segment names: pipellm-tp-<creator pid>-<stage>-<random>
 SHM_DIR = Path("/dev/shm")
 # Bytes of one rank's slot (two per rank): a decode step's all-reduce ([16, 576] float32,
@@ -32,20 +35,18 @@ SLOT_BYTES = 1 << 20
 
 
 @functools.cache
-def shm_library() -> ModuleType | None:
-    if os.name != "posix":
+def shm_library() -> KernelOps | None:
+    """The kernel library's ops at this CPU's level (built on first use, whether or not
+    PIPELLM_CPU_KERNELS turns the compute kernels off), or None where it cannot be built."""
+    from pipellm.kernels.cpu_kernels import chosen_level, ops, why_unbuildable
+
+    reason = "not a POSIX system" if os.name != "posix" else why_unbuildable()
+    if reason is not None:
+        logger.warning("shared-memory all-reduce unavailable (%s); using gloo", reason)
         return None
     try:
-        from pipellm.kernels.extension_build import load_extension
-
-        return load_extension(
-            "pipellm_shm_comm",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-mavx2"],
-            extra_ldflags=["-lrt"],
-            verbose=False,
-        )
-    except Exception as error:  # no compiler, not x86: gloo instead
+        return ops(chosen_level())
+    except Exception as error:  # a failed build: gloo instead
         logger.warning("shared-memory all-reduce unavailable (%s); using gloo", error)
         return None
 
@@ -68,6 +69,13 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
+def _as_uint8(data: bytes) -> torch.Tensor:
+    """data as a uint8 tensor: a copy, since torch shares no read-only (bytes) buffer."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 class ShmComm:
     """all_reduce_, all_gather and a byte broadcast over one shared-memory segment per
     tensor-parallel group."""
@@ -85,27 +93,29 @@ class ShmComm:
         if rank == 0:
             remove_stale_segments()
             names = [f"/{PREFIX}{os.getpid()}-{stage}-{secrets.token_hex(4)}"]
-            handle = lib.open(names[0], True, size, rank, SLOT_BYTES)
+            handle = lib.shm_open_segment(names[0], True, size, rank, SLOT_BYTES)
         dist.broadcast_object_list(names, src=ranks[0], group=group)
         if rank != 0:
-            handle = lib.open(names[0], False, size, rank, SLOT_BYTES)
+            handle = lib.shm_open_segment(names[0], False, size, rank, SLOT_BYTES)
         dist.barrier(group=group)
         if rank == 0:
-            lib.unlink(names[0])  # all mapped: the memory now lives exactly as long as they do
+            lib.shm_unlink_segment(
+                names[0]
+            )  # all mapped: the memory now lives exactly as long as they do
         return cls(handle, size, rank)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_contiguous():
-            self._lib.all_reduce_(self.handle, x)
+            self._lib.shm_all_reduce_(x, self.handle)
             return x
         summed = x.contiguous()
-        self._lib.all_reduce_(self.handle, summed)
+        self._lib.shm_all_reduce_(summed, self.handle)
         return x.copy_(summed)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = x.new_empty(self.size, *x.shape)
-        self._lib.all_gather(self.handle, x, out)
+        self._lib.shm_all_gather(x, out, self.handle)
         # [size, ..., w] -> [..., size * w]: each row's parts side by side, in rank order.
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
@@ -114,18 +124,18 @@ class ShmComm:
         every rank)."""
         x = x.contiguous()
         out = x.new_empty(x.shape[0], index.numel())
-        self._lib.all_gather_columns(self.handle, x, index, out)
+        self._lib.shm_all_gather_columns(x, index, out, self.handle)
         return out
 
     def broadcast_send(self, data: bytes) -> None:
         """Sends `data` to every other rank (each calls broadcast_recv); does not wait."""
-        self._lib.broadcast_send(self.handle, data)
+        self._lib.shm_broadcast_send(_as_uint8(data), self.handle)
 
     def broadcast_recv(self, root: int = 0) -> bytes:
         """The bytes rank `root` sent; raises RuntimeError, naming it, if the root died."""
-        return self._lib.broadcast_recv(self.handle, root)
+        return self._lib.shm_broadcast_recv(self.handle, root).numpy().tobytes()
 
     def close(self) -> None:
         if self.handle:
-            self._lib.close(self.handle)
+            self._lib.shm_close_segment(self.handle)
             self.handle = 0
