@@ -34,23 +34,27 @@ def six_layers(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "stages, balance, chunked, async_depth",
+    "stages, balance, chunked, async_depth, blocking_loop",
     # With chunked prefill on, 2 and 3 stages with and without balancing are
     # test_chunked_pipeline.py's test_same_greedy_tokens_with_the_chunked_pipeline_on_and_off.
     [
-        (3, True, False, None),
-        (2, False, False, None),
-        (2, True, True, 1),  # a spare micro-batch queued at the first stage
+        (3, True, False, None, False),
+        # Unbalanced, one micro-batch is in flight with either loop: this case runs the
+        # blocking one (its other sizes: test_same_tokens_with_the_blocking_loop); unbalanced
+        # stages without it: test_chunked_pipeline and test_smollm2's T = 2 x P = 2.
+        (2, False, False, None, True),
+        (2, True, True, 1, False),  # a spare micro-batch queued at the first stage
     ],
 )
 def test_same_tokens_at_every_pipeline_size(
-    six_layers, reaped, stages, balance, chunked, async_depth
+    six_layers, reaped, stages, balance, chunked, async_depth, blocking_loop
 ):
     directory, prompts, expected = six_layers
     engine_args = dict(
         pipeline_parallel_size=stages,
         pp_balance=balance,
         pp_async_batch_depth=async_depth,
+        pp_blocking_loop=blocking_loop,
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=32 if chunked else 512,
         max_model_len=512,
@@ -65,6 +69,8 @@ def test_same_tokens_at_every_pipeline_size(
             assert summary["max_queue_depth"] >= 2, "micro-batches overlapped"
         if async_depth:
             assert summary["max_queue_depth"] == stages + async_depth
+        if blocking_loop:
+            assert summary["max_queue_depth"] == 1
 
 
 class RecordingExecutor(Executor):
@@ -203,7 +209,7 @@ def test_without_balancing_the_seed_workload_never_overlaps_micro_batches(tmp_pa
     assert max(recorder.depths) == 1
 
 
-@pytest.mark.parametrize("stages, balance", [(1, True), (2, True), (2, False)])
+@pytest.mark.parametrize("stages, balance", [(1, True), (2, True)])  # (2, False): above
 def test_same_tokens_with_the_blocking_loop(six_layers, reaped, stages, balance):
     directory, prompts, expected = six_layers
     engine_args = dict(

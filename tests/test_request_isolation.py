@@ -1,25 +1,38 @@
-"""No request can stall or poison another, against `pipellm serve -pp 2` with an API key: bad
-structured-output constraints are 400s in OpenAI's error shape (the second try too), the slow
-ones run off the event loop while /health answers, memory comes back; float32 underflow in
-sampling values; the API's small promises (/v1/models, docs behind the key, OpenAPI's declared
-errors, /health's body, 405's Allow header); and, last, the graceful drain on SIGTERM."""
+"""`pipellm serve -pp 2` with an API key, one server for the module (the suite's time).
+
+No request can stall or poison another: bad structured-output constraints are 400s in OpenAI's
+error shape (the second try too), the slow ones run off the event loop while /health answers,
+memory comes back; float32 underflow in sampling values; the API's small promises
+(/v1/models, docs behind the key, OpenAPI's declared errors, /health's body, 405's Allow
+header). Structured outputs through the official openai client: response_format json_schema
+on chat, vLLM's structured_outputs (choice, regex, grammar) on both endpoints, bad constraints
+answered with a 400 naming them. `pipellm bench serve` against the server. And, last, the
+graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import re
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
+import jsonschema
+import openai
 import psutil
 import pytest
 
+from pipellm import LLM, SamplingParams
+from pipellm.entrypoints import cli
 from pipellm.structured_outputs import MAX_CHOICES
 from pipellm.testing.server_process import ServerProcess
 from tests.checkpoints import make_tiny_checkpoint
 from tests.test_hostile_http import raw_http
+from tests.test_structured_outputs import CHOICES, CLOSED_SCHEMA, LARK, REGEX
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -46,11 +59,15 @@ NUM_REQUESTS = 16  # half streamed; in each half, half short enough to finish in
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+def checkpoint(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
     flags = ["-pp", "2", "--kv-cache-memory", str(16 * 2**20), "--api-key", API_KEY]
     flags += ["--served-model-name", SERVED_NAME, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
-    process = ServerProcess([str(checkpoint), *flags], tmp_path_factory.mktemp("log") / "log")
+    process = ServerProcess([checkpoint, *flags], tmp_path_factory.mktemp("log") / "log")
     with process:
         yield process
         assert process.stop(timeout_s=30) == [], "processes outlived the server"
@@ -225,6 +242,133 @@ def engine_sequences(server: ServerProcess) -> int:
 
 def stream_events(payload: bytes) -> list[str]:
     return [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
+
+
+MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]
+NUM_STRUCTURED_REQUESTS = 20
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def json_schema_chat(model: str, seed: int) -> dict:
+    """A chat request for a pet as JSON (OpenAI's strict mode closes every object, as the
+    schema does: a random model would otherwise add keys)."""
+    return dict(
+        model=model,
+        messages=MESSAGES,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=120,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "pet", "schema": CLOSED_SCHEMA, "strict": True},
+        },
+        # vLLM's option, beside response_format: no free whitespace for the random model.
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
+
+
+def test_json_schema_replies_parse_and_validate(server, checkpoint):
+    """Twenty concurrent requests at temperature 1, in flight together over two stages: each
+    reply validates, and each is the text the offline engine samples with its seed."""
+
+    async def ask_all() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY)
+        async with client:
+            replies = await asyncio.gather(
+                *(
+                    client.chat.completions.create(**json_schema_chat(SERVED_NAME, s))
+                    for s in range(NUM_STRUCTURED_REQUESTS)
+                )
+            )
+        assert all(r.choices[0].finish_reason == "stop" for r in replies)
+        return [r.choices[0].message.content for r in replies]
+
+    texts = asyncio.run(ask_all())
+    for text in texts:
+        jsonschema.validate(json.loads(text), CLOSED_SCHEMA)
+    assert len(set(texts)) > 1
+    with LLM(checkpoint) as llm:
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                seed=seed,
+                max_tokens=120,
+                structured_outputs=dict(json=CLOSED_SCHEMA, disable_any_whitespace=True),
+            )
+            for seed in range(NUM_STRUCTURED_REQUESTS)
+        ]
+        offline = llm.chat([MESSAGES] * NUM_STRUCTURED_REQUESTS, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in offline] == texts
+
+
+def test_choice_regex_and_grammar_on_both_endpoints(client):
+    chat = client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=MESSAGES,
+        n=4,
+        seed=1,
+        extra_body={"structured_outputs": {"choice": CHOICES}},
+    )
+    assert {c.message.content for c in chat.choices} <= set(CHOICES)
+    regex = client.completions.create(
+        model=SERVED_NAME,
+        prompt="The code is",
+        n=4,
+        seed=2,
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": REGEX}},
+    )
+    assert all(re.fullmatch(REGEX, c.text) for c in regex.choices), regex.choices
+    grammar = client.completions.create(
+        model=SERVED_NAME,
+        prompt="The code is",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"grammar": LARK}},
+    )
+    assert re.fullmatch(r"x[yz]+!", grammar.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"structured_outputs": {"regex": "[unclosed"}}, "structured_outputs", ["regex"]),
+        ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs", ["nowhere"]),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format",
+            ["response_format.json_schema.schema"],
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format", ["needs"]),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", ["yaml"]),
+    ],
+)
+def test_bad_constraints_are_a_400_naming_them(client, body, param, words):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, extra_body=body)
+    error = raised.value.body
+    assert raised.value.status_code == 400 and error["param"] == param, error
+    assert all(word in error["message"] for word in words), error
+
+
+def test_bench_serve_against_pipellm_serve(server, checkpoint, tmp_path: Path, capsys, monkeypatch):
+    """`pipellm bench serve` against the real `pipellm serve` (two pipeline stages): no
+    failures, and the figures agree with what the server was asked for."""
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)  # bench serve's key, as the openai clients'
+    bench = ["bench", "serve", "--base-url", server.base_url, "--tokenizer", checkpoint]
+    bench += ["--dataset-name", "random", "--num-prompts", "24", "--max-concurrency", "6"]
+    bench += ["--random-input-len", "40", "--random-output-len", "12", "--num-warmups", "2"]
+    bench += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    cli.main(bench)  # the command's own entry point, in this process
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 24 and result["failed"] == 0
+    assert result["total_input_tokens"] == 24 * 40
+    assert result["total_output_tokens"] == 24 * 12, "ignore_eos: exactly the asked length"
+    assert 1 <= result["max_concurrent_requests"] <= 6
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_cleanly(server):

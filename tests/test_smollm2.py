@@ -19,8 +19,23 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def single_stage():
-    with LLM() as llm:
+def dequantized_at_load() -> list[str]:
+    """The weights single_stage's load dequantized, by name."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def single_stage(dequantized_at_load):
+    """One process with the built-in model for every test here (its load is watched)."""
+    real = weights._dequantize
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            weights,
+            "_dequantize",
+            lambda t, *rest: dequantized_at_load.append(t.name) or real(t, *rest),
+        )
+        llm = LLM()
+    with llm:
         yield llm
 
 
@@ -30,39 +45,60 @@ def test_answers_the_capital_of_france(single_stage):
     assert answer[0].outputs[0].finish_reason == "stop", "the model ends its turn"
 
 
-def test_two_and_three_stages_give_the_same_tokens(single_stage, reaped):
-    """Three stages balanced with the chunked pipeline (a 150-odd-token prompt cut into chunks
-    of 37, none a multiple of the 16-token block, several in flight at once), and two stages
-    unbalanced (--no-pp-balance: the whole batch in one micro-batch, vLLM issue #27462) without
-    it. Two balanced stages would add no stage role three lack (first, last), so they are not
-    run again (test_chunked_pipeline covers both sizes on a tiny model)."""
+def test_weights_taken_quantized_are_never_dequantized(single_stage, dequantized_at_load):
+    """The load's peak memory is the quantized model: only the norms are dequantized (the
+    embedding's lookup dequantizes the rows it looks up, model/quantized_embedding.py). The
+    module's engine is the one watched; the test above shows it answers."""
+    if not cpu_kernels_available():
+        pytest.skip("CPU kernels unavailable: the float32 path runs")
+    dequantized = dequantized_at_load
+    assert dequantized and all("norm" in name for name in dequantized), dequantized
+
+
+@pytest.fixture(scope="module")
+def long_prompts_tokens(single_stage) -> tuple[list[str], list[list[int]]]:
+    """PROMPTS and a 150-odd-token prompt, and one process's greedy tokens for them."""
     prompts = PROMPTS + [" ".join(f"item {i} of the list;" for i in range(30))]
-    expected = [o.outputs[0].token_ids for o in single_stage.generate(prompts, GREEDY)]
-    for stages, balance, chunked in ((3, True, True), (2, False, False)):
-        with LLM(
-            pipeline_parallel_size=stages,
-            pp_balance=balance,
-            enable_chunked_pipeline=chunked,
-            pp_microbatch_tokens=37,
-        ) as llm:
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-            answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))
-        assert got == expected, (stages, balance, chunked)
-        assert "Paris" in answer[0].outputs[0].text
+    return prompts, [o.outputs[0].token_ids for o in single_stage.generate(prompts, GREEDY)]
 
 
-def test_tensor_parallel_gives_the_same_tokens(single_stage, reaped):
+def same_tokens_and_an_answer(expected: tuple[list[str], list[list[int]]], **layout) -> None:
+    """The layout's greedy tokens are one process's, and it answers the question."""
+    prompts, tokens = expected
+    with LLM(**layout) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))
+    assert got == tokens, layout
+    assert "Paris" in answer[0].outputs[0].text, layout
+
+
+def test_three_stages_give_the_same_tokens(long_prompts_tokens, reaped):
+    """Three stages balanced with the chunked pipeline (the 150-odd-token prompt cut into
+    chunks of 37, none a multiple of the 16-token block, several in flight at once). Two
+    stages, unbalanced, run in the tensor-parallel test below; two balanced stages would add
+    no stage role three lack (first, last), so they are not run again (test_chunked_pipeline
+    covers both sizes on a tiny model)."""
+    same_tokens_and_an_answer(
+        long_prompts_tokens,
+        pipeline_parallel_size=3,
+        pp_balance=True,
+        enable_chunked_pipeline=True,
+        pp_microbatch_tokens=37,
+    )
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "tp2-pp2-unbalanced"])
+def test_tensor_parallel_gives_the_same_tokens(long_prompts_tokens, reaped, pp):
     """T = 2 splits each of SmolLM2's projections in half: q/k/v rows cutting query head 4 and
     KV head 1 (all-gathered; heads 0-4 on KV heads 0-1 and 4-8 on 1-2: uneven query runs
     per KV head in the attention kernels), o_proj's and down_proj's Q4_1 columns on their
-    32-value blocks; alone and with two pipeline stages (4 ranks, 1 thread each), the greedy
-    tokens are one process's."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in single_stage.generate(PROMPTS, params)]
-    for tp, pp in ((2, 1), (2, 2)):
-        with LLM(tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=1) as llm:
-            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        assert got == expected, (tp, pp)
+    32-value blocks; alone, and with two pipeline stages (4 ranks, 1 thread each) left
+    unbalanced without the chunked pipeline (--no-pp-balance: the whole batch in one
+    micro-batch, vLLM issue #27462), the greedy tokens are one process's."""
+    layout = dict(tensor_parallel_size=2, pipeline_parallel_size=pp, num_threads=1)
+    if pp == 2:
+        layout.update(pp_balance=False, enable_chunked_pipeline=False, pp_microbatch_tokens=37)
+    same_tokens_and_an_answer(long_prompts_tokens, **layout)
 
 
 def test_gguf_weights_computed_as_stored_give_the_same_numbers(single_stage):
@@ -110,19 +146,3 @@ def test_int8_activations_keep_nearly_every_greedy_token(single_stage):
     agree = sum(a == b for a, b in zip(exact, int8, strict=True)) / len(exact)
     assert agree >= 0.9
     assert int8_logprobs != exact_logprobs  # really the other arithmetic
-
-
-def test_weights_taken_quantized_are_never_dequantized(monkeypatch):
-    """The load's peak memory is the quantized model: only the norms are dequantized (the
-    embedding's lookup dequantizes the rows it looks up, model/quantized_embedding.py)."""
-    if not cpu_kernels_available():
-        pytest.skip("CPU kernels unavailable: the float32 path runs")
-    dequantized = []
-    real = weights._dequantize
-    monkeypatch.setattr(
-        weights, "_dequantize", lambda t, *rest: dequantized.append(t.name) or real(t, *rest)
-    )
-    with LLM(max_num_seqs=1, max_model_len=256, kv_cache_memory=1 << 24) as llm:
-        answer = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=16))
-    assert "Paris" in answer[0].outputs[0].text
-    assert dequantized and all("norm" in name for name in dequantized), dequantized

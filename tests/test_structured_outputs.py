@@ -168,7 +168,7 @@ def checkpoint(tmp_path_factory):
 def test_sampled_text_follows_the_constraint_under_preemption(checkpoint):
     """A KV cache too small for all 32 samples (so some are preempted and recomputed) gives
     the same texts as one that holds them all: each sample's matcher follows its own tokens.
-    Every text follows its constraint. (-pp 2: tests/test_structured_outputs_server.py.)"""
+    Every text follows its constraint. (-pp 2: tests/test_request_isolation.py.)"""
     with LLM(checkpoint) as llm:
         texts = sample_all(llm)
     for kind, samples in texts.items():
