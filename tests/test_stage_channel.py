@@ -1,5 +1,6 @@
 """The engine's channel to a stage: authenticated both ways, schedules run in order."""
 
+import multiprocessing
 import threading
 from multiprocessing import AuthenticationError
 
@@ -66,3 +67,16 @@ def test_schedules_run_in_order_and_none_ends_the_loop():
     # A stage is told the next schedule only when it is that one (to receive its inputs ahead).
     assert all(following in (None, number + 1) for number, following in stage.seen)
     conn.close()
+
+
+def test_a_schedule_goes_to_every_stage_until_one_channel_is_closed():
+    pairs = [multiprocessing.Pipe() for _ in range(3)]
+    engine_ends = [engine_end for engine_end, _ in pairs]
+    assert stage_channel.send_schedule(engine_ends, SchedulerOutput(7, [])) is None
+    assert [stage_end.recv().micro_batch_id for _, stage_end in pairs] == [7, 7, 7]
+
+    pairs[1][1].close()  # stage 1 is gone
+    failed = stage_channel.send_schedule(engine_ends, SchedulerOutput(8, []))
+    assert failed is not None and failed[0] == 1 and isinstance(failed[1], OSError)
+    assert pairs[0][1].recv().micro_batch_id == 8
+    assert not pairs[2][1].poll()  # nothing sent past the dead stage

@@ -30,7 +30,7 @@ from pipellm.config import EngineConfig
 from pipellm.executor.base import WorkerDiedError
 from pipellm.executor.pending import PendingOutputs
 from pipellm.executor.remote import RemoteStagesExecutor
-from pipellm.executor.stage_channel import serve_schedules
+from pipellm.executor.stage_channel import send_schedule, serve_schedules
 from pipellm.protocol import ModelOutput, SchedulerOutput, StageFailed, StageReady, one_line
 from pipellm.worker.net import LOOPBACK, free_port
 from pipellm.worker.stage_memory import LoadedStage, host_limit, log_host_memory
@@ -79,19 +79,16 @@ class MultiprocExecutor(RemoteStagesExecutor):
         future = self._pending.add()
         if future.done():
             return future
-        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send_bytes(payload)
-            except OSError as error:
-                # A closed pipe means the stage is gone: name it and why, as the reader would
-                # once it saw the process's sentinel (this send may simply come first).
-                self.processes[rank].join(timeout=1.0)  # the exit code is set on join
-                reason = self._exit_reason(rank)
-                if self.processes[rank].exitcode is None:
-                    reason = f"could not send a micro-batch to pipeline stage {rank}: {error}"
-                self._pending.fail(reason)
-                break
+        failed = send_schedule(self.conns, scheduler_output)
+        if failed is not None:
+            # A closed pipe means the stage is gone: name it and why, as the reader would once
+            # it saw the process's sentinel (this send may simply come first).
+            rank, error = failed
+            self.processes[rank].join(timeout=1.0)  # the exit code is set on join
+            reason = self._exit_reason(rank)
+            if self.processes[rank].exitcode is None:
+                reason = f"could not send a micro-batch to pipeline stage {rank}: {error}"
+            self._pending.fail(reason)
         return future
 
     def _exit_reason(self, rank: int) -> str:

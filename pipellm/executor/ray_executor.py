@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import threading
 import time
 import weakref
@@ -246,13 +245,10 @@ class RayExecutor(RemoteStagesExecutor):
         if future.done():
             return future
         self._idle_since = None  # the ping round now races steps: stop timing it
-        payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send_bytes(payload)
-            except OSError as error:
-                self._stage_failed(rank, f"could not send it a micro-batch: {error}")
-                break
+        failed = stage_channel.send_schedule(self.conns, scheduler_output)
+        if failed is not None:
+            rank, error = failed
+            self._stage_failed(rank, f"could not send it a micro-batch: {error}")
         return future
 
     def _read_outputs(self) -> None:

@@ -41,6 +41,21 @@ def serve_schedules(stage: PipelineStage, conn: Connection) -> None:
         scheduler_output = following
 
 
+def send_schedule(
+    conns: list[Connection], scheduler_output: SchedulerOutput | None
+) -> tuple[int, OSError] | None:
+    """Sends one schedule (None: stop) to every stage, pickled once, in rank order; stops at the
+    first stage whose channel is closed and returns its rank and the error, None if all took it.
+    """
+    payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
+    for rank, conn in enumerate(conns):
+        try:
+            conn.send_bytes(payload)
+        except OSError as error:
+            return rank, error
+    return None
+
+
 def listen(host: str, authkey: bytes) -> Listener:
     """A listener for the engine's one connection, on `host` at a free port."""
     return Listener((host, 0), family="AF_INET", authkey=authkey)
