@@ -21,6 +21,7 @@ Configurations take turns (every input length, every configuration, then again f
 input length the request throughput and mean TTFT of each, and balanced over no-balance.
 
   python benchmarks/pp_fix.py [--input-lens 2048,4000 --num-prompts 32 --rounds 1]
+      [--max-num-batched-tokens 16384 --kv-cache-memory BYTES]
 """
 
 from __future__ import annotations
@@ -53,17 +54,20 @@ DEFAULT_SETUPS = ["balanced", "no-balance", "balanced+blocking", "no-balance+blo
 OUTPUT_LEN = 32
 
 
-def serve_flags(input_len: int) -> list[str]:
+def serve_flags(input_len: int, args: argparse.Namespace) -> list[str]:
     """The issue's `serve` shape scaled to P = 2 on a small CPU model."""
-    return (
-        f"-pp 2 --max-num-seqs 8 --max-num-batched-tokens 16384 "
+    flags = (
+        f"-pp 2 --max-num-seqs 8 --max-num-batched-tokens {args.max_num_batched_tokens} "
         f"--max-model-len {input_len + OUTPUT_LEN + 64} --no-enable-prefix-caching"
     ).split()
+    if args.kv_cache_memory:
+        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    return flags
 
 
 def run(setup: str, input_len: int, args: argparse.Namespace, out: Path, index: int) -> dict:
     name = f"{index:02d}_{input_len}_{setup.replace('+', '_')}"
-    flags = [*serve_flags(input_len), *SETUPS[setup]]
+    flags = [*serve_flags(input_len, args), *SETUPS[setup]]
     if args.model:
         flags.insert(0, args.model)
     if args.trace:
@@ -87,6 +91,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model for `pipellm serve` (default: its built-in one)")
     parser.add_argument("--input-lens", default="2048,4000")
+    # vLLM's run gave its 8 x 4000-token prompts a 32000-token batch and KV room for all: at
+    # 4000 tokens, 16384 and the default 1 GiB of KV cache (5 such prompts) let --no-pp-balance
+    # spread them over micro-batches that overlap, so it is not one whole-batch micro-batch.
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--kv-cache-memory", type=int, help="bytes, passed to `pipellm serve` (default: its own)"
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--num-warmups", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)

@@ -12,7 +12,9 @@ residuals and what cost-balanced chunks of a 128-token budget look like along a 
 
 With --whole N it first times one N-token prompt computed whole against the same prompt in
 chunks of each --sizes (the chunks' times summed, each after its real prefix), side by side,
-and prints chunked / whole: what a prompt pays for being cut into micro-batches.
+and prints chunked / whole: what a prompt pays for being cut into micro-batches, split into
+attention (every layer's paged_attention call, timed around it) and the rest (the linear
+layers, norms, RoPE and the step's overhead).
 
 --prefixes '' skips the fit (only the comparison).
 
@@ -24,14 +26,32 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import numpy as np
 
+import pipellm.model.llama as llama_module
 from pipellm.config import EngineConfig
 from pipellm.engine.chunk_cost import ChunkCostModel
 from pipellm.executor.uniproc import UniProcExecutor
 from pipellm.protocol import ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
+
+
+class AttentionClock:
+    """Wraps the model's attention call to add up the seconds spent in it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._attention: Callable = llama_module.paged_attention
+        llama_module.paged_attention = self._timed
+
+    def _timed(self, *args: object, **kwargs: object) -> object:
+        started = time.perf_counter()
+        try:
+            return self._attention(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
 
 
 def time_chunk(executor: UniProcExecutor, config: EngineConfig, prefix: int, size: int) -> float:
@@ -58,22 +78,37 @@ def time_chunk(executor: UniProcExecutor, config: EngineConfig, prefix: int, siz
 
 
 def compare_whole(
-    executor: UniProcExecutor, config: EngineConfig, length: int, sizes: list[int], repeats: int
+    executor: UniProcExecutor,
+    config: EngineConfig,
+    length: int,
+    sizes: list[int],
+    repeats: int,
+    clock: AttentionClock,
 ) -> None:
-    """One prompt whole against the same prompt in chunks, taking turns, best of `repeats`."""
-    best: dict[int, float] = {}
+    """One prompt whole against the same prompt in chunks, taking turns, best of `repeats`
+    (each size's attention time from the same, best, repeat)."""
+    best: dict[int, tuple[float, float]] = {}
     for _ in range(repeats):
         for size in [length, *sizes]:
+            clock.seconds = 0.0
             took = sum(
                 time_chunk(executor, config, prefix, min(size, length - prefix))
                 for prefix in range(0, length, size)
             )
-            best[size] = min(best.get(size, took), took)
-    print(f"one {length}-token prompt: whole {best[length] * 1e3:.0f} ms")
+            if took < best.get(size, (float("inf"), 0.0))[0]:
+                best[size] = (took, clock.seconds)
+    whole, whole_attention = best[length]
+    print(
+        f"one {length}-token prompt: whole {whole * 1e3:.0f} ms "
+        f"(attention {whole_attention * 1e3:.0f}, rest {(whole - whole_attention) * 1e3:.0f})"
+    )
     for size in sizes:
+        took, attention = best[size]
         print(
-            f"  in {size:4d}-token chunks: {best[size] * 1e3:7.0f} ms "
-            f"({best[size] / best[length]:.2f}x whole)",
+            f"  in {size:4d}-token chunks: {took * 1e3:7.0f} ms ({took / whole:.2f}x whole); "
+            f"attention {attention * 1e3:6.0f} ms ({attention / whole_attention:.2f}x), "
+            f"rest {(took - attention) * 1e3:6.0f} ms "
+            f"({(took - attention) / (whole - whole_attention):.2f}x)",
             flush=True,
         )
 
@@ -96,9 +131,10 @@ def main() -> None:
         distributed_executor_backend="uni",
     )
     executor = UniProcExecutor(config)
+    clock = AttentionClock()
     time_chunk(executor, config, 0, 64)  # warm-up: first-touch of buffers and the KV cache
     if args.whole:
-        compare_whole(executor, config, args.whole, sizes, args.repeats)
+        compare_whole(executor, config, args.whole, sizes, args.repeats, clock)
     if not prefixes:
         return
     rows = []

@@ -45,6 +45,9 @@ using pipellm_kernels::kRowBlock;
 using pipellm_kernels::kRows;
 
 constexpr int64_t kQueryBlock = 64;
+// Packed key panels per tile: 256 keys, 64 KB of keys (or values) at head_dim 64, which stays
+// in L2 with the block's 64 KB of scores over them.
+constexpr int64_t kTilePanels = 16;
 
 }  // namespace
 
@@ -113,8 +116,10 @@ void pipellm_ops::prefill_attention(const at::Tensor& out, const at::Tensor& q,
       const int64_t keys = prefix + r1 - k0, key_panels = (keys + kPanel - 1) / kPanel;
       const int64_t padded = key_panels * kPanel;
       // keys_packed[p, d, j] = k[16 p + j, h, d]; values_packed[c, t, j] = v[t, h, 16 c + j].
-      at::Tensor keys_packed = at::zeros({key_panels, head_dim, kPanel}, options);
-      at::Tensor values_packed = at::zeros({dim_panels, padded, kPanel}, options);
+      // Only the padding past the last key is cleared: zeroing whole buffers was one more
+      // write pass over a long context's keys and values in every task.
+      at::Tensor keys_packed = at::empty({key_panels, head_dim, kPanel}, options);
+      at::Tensor values_packed = at::empty({dim_panels, padded, kPanel}, options);
       at::Tensor scores = at::empty({r1 - r0, padded}, options);
       float* kpk = keys_packed.data_ptr<float>();
       float* vpk = values_packed.data_ptr<float>();
@@ -127,14 +132,27 @@ void pipellm_ops::prefill_attention(const at::Tensor& out, const at::Tensor& q,
         for (int64_t c = 0; c < dim_panels; ++c)
           std::copy(vt + c * kPanel, vt + (c + 1) * kPanel, vpk + (c * padded + t) * kPanel);
       }
+      for (int64_t t = keys; t < padded; ++t) {
+        float* kdst = kpk + (t / kPanel) * head_dim * kPanel + t % kPanel;
+        for (int64_t d = 0; d < head_dim; ++d) kdst[d * kPanel] = 0.0f;
+        for (int64_t c = 0; c < dim_panels; ++c)
+          std::fill_n(vpk + (c * padded + t) * kPanel, kPanel, 0.0f);
+      }
       for (int64_t head = starts[h]; head < starts[h + 1]; ++head) {
-        for (int64_t r = r0; r < r1; r += kRows) {
-          const int64_t rows = std::min(kRows, r1 - r);
-          const int64_t visible = prefix + r + rows - k0;  // packed keys its last row sees
-          for (int64_t p = 0; p * kPanel < visible; ++p)
-            kRowBlock[rows](qp + r * q.stride(0) + head * q.stride(1), q.stride(0),
-                            kpk + p * head_dim * kPanel, 0, head_dim,
-                            sp + (r - r0) * padded + p * kPanel, padded, false, nullptr, nullptr);
+        // Keys a tile at a time, each tile through every row: the tile stays in L2 while the
+        // rows go by, where a long context's keys (1 MB at 4096 x 64) streamed from L3 once
+        // per row block.
+        for (int64_t p0 = 0; p0 < key_panels; p0 += kTilePanels) {
+          const int64_t p1 = std::min(key_panels, p0 + kTilePanels);
+          for (int64_t r = r0; r < r1; r += kRows) {
+            const int64_t rows = std::min(kRows, r1 - r);
+            const int64_t visible = prefix + r + rows - k0;  // packed keys its last row sees
+            for (int64_t p = p0; p < p1 && p * kPanel < visible; ++p)
+              kRowBlock[rows](qp + r * q.stride(0) + head * q.stride(1), q.stride(0),
+                              kpk + p * head_dim * kPanel, 0, head_dim,
+                              sp + (r - r0) * padded + p * kPanel, padded, false, nullptr,
+                              nullptr);
+          }
         }
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t position = prefix + r;
@@ -145,13 +163,20 @@ void pipellm_ops::prefill_attention(const at::Tensor& out, const at::Tensor& q,
           masked_softmax(row + hidden, position + 1 - k0 - hidden, padded - hidden,
                          static_cast<float>(scale));
         }
-        for (int64_t r = r0; r < r1; r += kRows) {
-          const int64_t rows = std::min(kRows, r1 - r);
-          const int64_t depth = prefix + r + rows - k0;  // probabilities past it are zero
-          for (int64_t c = 0; c < dim_panels; ++c)
-            kRowBlock[rows](sp + (r - r0) * padded, padded, vpk + c * padded * kPanel, 0, depth,
-                            op + r * out.stride(0) + head * out.stride(1) + c * kPanel,
-                            out.stride(0), false, nullptr, nullptr);
+        // out = P V a tile of keys at a time, likewise: each output continues its one chain
+        // of multiply-adds over the keys in order (accumulating into out), so the sums are
+        // the same bits as in one pass.
+        for (int64_t t0 = 0; t0 < padded; t0 += kTilePanels * kPanel) {
+          for (int64_t r = r0; r < r1; r += kRows) {
+            const int64_t rows = std::min(kRows, r1 - r);
+            const int64_t depth = prefix + r + rows - k0;  // probabilities past it are zero
+            const int64_t t1 = std::min(depth, t0 + kTilePanels * kPanel);
+            if (t1 <= t0) continue;
+            for (int64_t c = 0; c < dim_panels; ++c)
+              kRowBlock[rows](sp + (r - r0) * padded, padded, vpk + c * padded * kPanel, t0, t1,
+                              op + r * out.stride(0) + head * out.stride(1) + c * kPanel,
+                              out.stride(0), t0 > 0, nullptr, nullptr);
+          }
         }
       }
     }
