@@ -1,7 +1,7 @@
 """Every GGUF type the kernels take, computed as stored: the exact path is bit-identical to
 pipellm's float32 GEMM on the weights `gguf` dequantizes, the int8-activation path within the
-bound that rounding x to 8 bits per 32 values (per 256 for the K-quants) allows, and the embedding lookup returns
-`gguf`'s rows."""
+bound that rounding x to 8 bits per 32 values (per 256 for the K-quants) allows, and the
+embedding lookup returns `gguf`'s rows."""
 
 from __future__ import annotations
 
