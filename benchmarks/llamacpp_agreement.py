@@ -79,6 +79,23 @@ def llamacpp_continuations(args: argparse.Namespace, prompts: list[list[int]]) -
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def reference_continuations(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
+    """llama.cpp's continuations: from --reference if given (checked against the prompts and
+    tokens), else by running llama.cpp (and saved to --save-reference if given)."""
+    if args.reference:
+        with open(args.reference) as f:
+            saved = json.load(f)
+        if saved["prompts"] != prompts or saved["tokens"] != args.tokens:
+            raise SystemExit(f"{args.reference} holds other prompts or token counts than this run")
+        return saved["continuations"]
+    continuations = llamacpp_continuations(args, prompts)
+    if args.save_reference:
+        with open(args.save_reference, "w") as f:
+            saved = {"prompts": prompts, "tokens": args.tokens, "continuations": continuations}
+            json.dump(saved, f)
+    return continuations
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="the GGUF file both engines load")
@@ -94,6 +111,22 @@ def main() -> None:
         "--llamacpp-path",
         default=os.environ.get("PIPELLM_LLAMACPP_PATH"),
         help="a directory put on that Python's PYTHONPATH (default: $PIPELLM_LLAMACPP_PATH)",
+    )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=SETTINGS,
+        default=list(SETTINGS),
+        help="the pipellm quantization settings to compare (default: both)",
+    )
+    parser.add_argument(
+        "--save-reference",
+        help="write llama.cpp's continuations (JSON) here, to reuse with --reference",
+    )
+    parser.add_argument(
+        "--reference",
+        help="llama.cpp's continuations written by --save-reference for the same file, "
+        "prompts and tokens, instead of running llama.cpp again",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -111,11 +144,11 @@ def main() -> None:
     read = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     prompts: list[list[int]] | None = None
     reference: list[list[int]] = []
-    for setting in SETTINGS:
+    for setting in args.settings:
         with LLM(args.model, quantization=setting, enable_prefix_caching=False) as llm:
             if prompts is None:
                 prompts = [llm.tokenizer.encode(text) for text in texts_in]
-                reference = llamacpp_continuations(args, prompts)
+                reference = reference_continuations(args, prompts)
             texts = [p + c for p, c in zip(prompts, reference, strict=True)]
             outputs = llm.generate(texts, read, use_tqdm=False)
             own = llm.generate(prompts, greedy, use_tqdm=False)

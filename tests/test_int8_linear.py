@@ -1,4 +1,4 @@
-"""The opt-in int8-activation GEMM (`quantization="gguf_int8"`): x rounded to int8 per 32
+"""The int8-activation GEMM (`quantization="gguf_int8"`): x rounded to int8 per 32
 values, integer dot products against the GGUF blocks (AVX-512 VNNI, or AVX2's vpmaddubsw +
 vpmaddwd), at every kernel level this machine runs. Not bit-identical to float32 by design;
 checked against the same arithmetic done in float64, and near the float32 result."""
@@ -22,15 +22,17 @@ pytestmark = pytest.mark.skipif(
 
 
 def reference(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's arithmetic in float64: x's blocks rounded to int8 in float32 (dx =
-    max|x| / 127, q = round-half-even(x * 127 / max|x|)), then per block d dx sum(q qx) (+ m dx
-    sum(qx) for Q4_1), summed over blocks."""
+    """The kernel's arithmetic in float64: x's blocks rounded to int8 in float32 as llama.cpp
+    rounds them for these types (q = round-half-even(x * 127 / max|x|), dx = max|x| / 127 as
+    float16), then per block d dx sum(q qx) (+ m s for Q4_1, s = dx sum(qx) from the float32
+    dx, as float16), summed over blocks."""
     xs = x.reshape(x.shape[0], -1, 32).numpy()
     amax = np.abs(xs).max(axis=-1, keepdims=True)
     safe = np.where(amax > 0, amax, 1)
     inverse = np.where(amax > 0, np.float32(127) / safe, 0).astype(np.float32)
     qx = np.clip(np.rint((xs * inverse).astype(np.float32)), -127, 127)
-    dx = (amax / np.float32(127)).astype(np.float32).astype(np.float64)
+    dx32 = (amax / np.float32(127)).astype(np.float32)
+    dx = dx32.astype(np.float16).astype(np.float64)
     rows = weight.blocks.shape[0]
     blocks = weight.blocks.view(rows, -1, weight.blocks.shape[1] // (x.shape[1] // 32)).numpy()
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)  # [rows, blocks]
@@ -42,10 +44,9 @@ def reference(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tenso
         m = np.zeros_like(d)
         q = blocks[..., 2:34].copy().view(np.int8).astype(np.float64)
     dots = np.einsum("rbk,obk->rob", qx.astype(np.float64), q)  # exact integers
-    sums = qx.sum(axis=-1).astype(np.float64)  # [rows of x, blocks]
-    out = (dots * d[None] * dx[:, None, :, 0]).sum(-1) + (
-        m[None] * (dx[..., 0] * sums)[:, None]
-    ).sum(-1)
+    sums = qx.sum(axis=-1).astype(np.float32)  # [rows of x, blocks]
+    s = (dx32[..., 0] * sums).astype(np.float16).astype(np.float64)
+    out = (dots * d[None] * dx[:, None, :, 0]).sum(-1) + (m[None] * s[:, None]).sum(-1)
     if bias is not None:
         out = out + bias.double().numpy()
     return torch.from_numpy(out)

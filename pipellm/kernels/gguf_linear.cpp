@@ -14,14 +14,15 @@
 // Against dequantizing each row to float32 and transposing floats, this moves 4x fewer bytes
 // per weight before the multiply.
 //
-// Int8-activation path (gguf_linear_int8): x is rounded to int8 per 32 values (scale
-// max|x| / 127, nearest), as llama.cpp's dot products round their activations; each weight
+// Int8-activation path (gguf_linear_int8): x is rounded to int8 as llama.cpp rounds it for
+// each row's type (per 32 values, or per 256 for the K-quants: activation_rounding.h); each weight
 // row is decoded once into int8 q with a (D, M) per 16 values and dotted with every row of x
 // in integers (vpmaddubsw + vpmaddwd), each 16 values' sum folded in with D dx, and the
 // offsets M with the sums of x's int8 values.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "activation_rounding.h"
 #include "gemm_microkernel.h"
 #include "gguf_types.h"
 #include "kernel_library.h"
@@ -36,11 +37,20 @@
 namespace pipellm_gguf {
 namespace {
 
+using pipellm_kernels::block_dx;
+using pipellm_kernels::block_sum_dx;
 using pipellm_kernels::for_each_row_block;
 using pipellm_kernels::for_each_slice_pass;
 using pipellm_kernels::kPanel;
 using pipellm_kernels::kRowBlock;
+using pipellm_kernels::group_scale;
+using pipellm_kernels::group_values;
+using pipellm_kernels::GroupScale;
+using pipellm_kernels::max_magnitude;
 using pipellm_kernels::PanelOutput;
+using pipellm_kernels::round_block;
+using pipellm_kernels::Rounding;
+using pipellm_kernels::rounding_for;
 
 constexpr int64_t kSliceDepth = 256;  // a multiple of every type's block
 constexpr int64_t kRowsBlock = 192;   // rows of x per pass over the weights (L2-sized)
@@ -278,44 +288,38 @@ at::Tensor gguf_linear(const at::Tensor& input, at::TensorList parts, at::IntArr
   return y.finish();
 }
 
-// x rounded to int8 per 32 values, with each block's scale and the sums of its two halves.
+// x rounded to int8 as llama.cpp rounds it for one family of weight types
+// (activation_rounding.h), with each 32-value block's scale and each half's dx sum(qx).
 struct Int8Rows {
-  std::vector<int8_t> q;      // [m, depth]
-  std::vector<float> scale;   // [m, depth / 32]
-  std::vector<int32_t> sums;  // [m, depth / 16]
+  std::vector<int8_t> q;       // [m, depth]
+  std::vector<float> scale;    // [m, depth / 32]
+  std::vector<float> sums_dx;  // [m, depth / 16]
 };
 
-void quantize_block(const float* v, int8_t* q, float* scale, int32_t* sums) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 x[4], amax8 = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    x[i] = _mm256_loadu_ps(v + 8 * i);
-    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, x[i]));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, amax8);
-  const float amax = *std::max_element(lanes, lanes + 8);
-  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-  alignas(32) int32_t qi[32];
-  for (int i = 0; i < 4; ++i)  // nearest, ties to even (the default rounding mode)
-    _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * i),
-                       _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(inverse))));
-  int32_t s0 = 0, s1 = 0;
-  for (int i = 0; i < 16; ++i) s0 += qi[i], s1 += qi[16 + i];
-  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(qi[i]);
-  *scale = amax / 127.0f;
-  sums[0] = s0, sums[1] = s1;
-}
-
-void quantize_rows(const float* x, int64_t m, int64_t depth, Int8Rows& out) {
-  const int64_t blocks = m * depth / kXBlock;
+void quantize_rows(const float* x, int64_t m, int64_t depth, Rounding rounding, Int8Rows& out) {
+  const int64_t blocks = m * depth / kXBlock, group = group_values(rounding) / kXBlock;
   out.q.resize(m * depth);
   out.scale.resize(blocks);
-  out.sums.resize(2 * blocks);
-  at::parallel_for(0, blocks, 64, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i)
-      quantize_block(x + i * kXBlock, out.q.data() + i * kXBlock, &out.scale[i],
-                     &out.sums[2 * i]);
+  out.sums_dx.resize(2 * blocks);
+  at::parallel_for(0, blocks / group, 64 / group, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const GroupScale gs = group_scale(max_magnitude(x + g * group * kXBlock, group * kXBlock),
+                                        rounding);
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+        int32_t halves[2];
+        round_block(x + i * kXBlock, gs.inverse, out.q.data() + i * kXBlock, halves);
+        out.scale[i] = block_dx(gs, rounding);
+        if (rounding == Rounding::kQ8_1) {
+          // One offset per 32 values (Q4_1, Q5_1): the block's whole sum goes with the first
+          // half, rounded once as llama.cpp's Q8_1 keeps it.
+          out.sums_dx[2 * i] = block_sum_dx(gs, rounding, halves[0] + halves[1]);
+          out.sums_dx[2 * i + 1] = 0.0f;
+        } else {
+          out.sums_dx[2 * i] = block_sum_dx(gs, rounding, halves[0]);
+          out.sums_dx[2 * i + 1] = block_sum_dx(gs, rounding, halves[1]);
+        }
+      }
+    }
   });
 }
 
@@ -323,6 +327,10 @@ inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+Rounding rounding_of(const GgufType& type) {
+  return rounding_for(type.block_values, type.has_offset);
 }
 
 constexpr int kRowsAtOnce = 4;  // rows of x per pass over a decoded weight row
@@ -347,11 +355,10 @@ void dot_rows(const int8_t* wq, const float* wscale, const float* woffset, bool 
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + block * kXBlock));
       const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, w));
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-      const float dx = xq.scale[block];
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r]);
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xq.scale[block])), acc[r]);
       if (has_offset)
-        offsets[r] += dx * (woffset[2 * g] * static_cast<float>(xq.sums[2 * block]) +
-                            woffset[2 * g + 1] * static_cast<float>(xq.sums[2 * block + 1]));
+        offsets[r] += woffset[2 * g] * xq.sums_dx[2 * block] +
+                      woffset[2 * g + 1] * xq.sums_dx[2 * block + 1];
     }
   }
   for (int r = 0; r < R; ++r) y[(r0 + r) * ldy] = horizontal_sum(acc[r]) + offsets[r] + bias;
@@ -378,11 +385,16 @@ at::Tensor gguf_linear_int8(const at::Tensor& input, at::TensorList parts, at::I
   const at::Tensor x = input.contiguous();
   at::Tensor out = at::empty({m, out_features}, x.options());
   if (m == 0 || out_features == 0) return out;
-  // Kept per calling thread and reused (decode makes a hundred calls a step); the workers
-  // below read the caller's through this reference, not their own thread_local copies.
-  thread_local Int8Rows buffer;
-  Int8Rows& xq = buffer;
-  quantize_rows(x.data_ptr<float>(), m, depth, xq);
+  // x rounded once per rounding its rows' types need (most weights: one). Kept per calling
+  // thread and reused (decode makes a hundred calls a step); the workers below read the
+  // caller's through this pointer, not their own thread_local copies.
+  thread_local Int8Rows buffers[3];
+  Int8Rows* rounded = buffers;
+  bool needed[3] = {false, false, false};
+  for (const WeightRow& row : rows) needed[static_cast<int>(rounding_of(*row.type))] = true;
+  for (int k = 0; k < 3; ++k)
+    if (needed[k])
+      quantize_rows(x.data_ptr<float>(), m, depth, static_cast<Rounding>(k), buffers[k]);
   const at::Tensor bias_tensor = has_bias ? bias->contiguous() : at::Tensor();
   const float* bias_values = has_bias ? bias_tensor.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
@@ -398,6 +410,7 @@ at::Tensor gguf_linear_int8(const at::Tensor& input, at::TensorList parts, at::I
         type->decode(rows[n].blocks + b * type->block_bytes, decoded.q.data() + b * bv,
                      decoded.scale.data() + b * per_block, decoded.offset.data() + b * per_block);
       const float b0 = bias_values ? bias_values[n] : 0.0f;
+      const Int8Rows& xq = rounded[static_cast<int>(rounding_of(*type))];
       int64_t r = 0;
       for (; r + kRowsAtOnce <= m; r += kRowsAtOnce)
         dot_rows<kRowsAtOnce>(decoded.q.data(), decoded.scale.data(), decoded.offset.data(),

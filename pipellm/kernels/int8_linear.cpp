@@ -1,5 +1,6 @@
 // y = x W^T + b with W in GGUF Q4_1, Q8_0, Q5_0, Q4_K or Q6_K blocks and x rounded to int8
-// per 32 values, the products summed in int32: the opt-in `quantization="gguf_int8"` path.
+// as llama.cpp rounds it for the type (activation_rounding.h), the products summed in int32:
+// the `quantization="gguf_int8"` path.
 // With AVX-512 VNNI, vpdpbusd takes four u8 x s8 products into an int32 lane per instruction;
 // on AVX2 (and on AVX-512 without VNNI) vpmaddubsw + vpmaddwd do the same in two steps, as
 // llama.cpp's AVX2 dot products do. Both sum the same integers exactly and fold them into
@@ -10,11 +11,12 @@
 // the weight stream (measured: a one-row step's GEMMs at ~40% of the read bandwidth). With x
 // in int8, one vpdpbusd takes 64 weights: the step becomes bound by the stream. This is what
 // llama.cpp does on such CPUs (its Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products, ggml-cpu's
-// quants.c): it changes the numerics (x is rounded to 8 bits), so it is never the default;
-// its top-1 agreement with float32 is measured in docs/performance.md.
+// quants.c): it changes the numerics (x is rounded to 8 bits, not bit-identical to float32);
+// its greedy agreement with llama.cpp is measured in docs/benchmarks.md.
 //
-// Arithmetic, per 32-value block b of row r of x: dx = max|x| / 127, qx = round(x / dx) in
-// [-127, 127] (nearest, ties to even), sx = sum(qx). Then for a Q4_1 weight block (d, m, q in
+// Arithmetic, per 32-value block b of row r of x: qx = round(x / dx) in [-127, 127] (nearest,
+// ties to even) with dx = max|x| / 127 over the block (as float16), or over its 256-value
+// block for Q4_K and Q6_K (float32), and sx = sum(qx). Then for a Q4_1 weight block (d, m, q in
 // [0, 15]): sum_k x_k w_k ~ (d dx) sum(q qx) + m (dx sx); for Q8_0 (d, q in [-128, 127]), the
 // quants are stored plus 128 as unsigned bytes (vpdpbusd takes u8 x s8), and
 // sum((q + 128) qx) - 128 sx = sum(q qx) exactly in int32, times (d dx).
@@ -50,6 +52,7 @@
 
 #include <immintrin.h>
 
+#include "activation_rounding.h"
 #include "gemm_microkernel.h"
 #include "panel_output.h"
 
@@ -61,8 +64,10 @@
 
 namespace {
 
+using pipellm_kernels::GroupScale;
 using pipellm_kernels::kPanel;
 using pipellm_kernels::PanelOutput;
+using pipellm_kernels::Rounding;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_1 = 0, kQ8_0 = 1, kQ5_0 = 2, kQ6_K = 3, kQ4_K = 4;
@@ -87,12 +92,12 @@ constexpr int64_t depth_of(int64_t kind) { return kind == kQ4_K || kind == kQ6_K
 constexpr int64_t kRowsChunk = 256;      // rows of x (int8) a thread takes per pass at prefill
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead in the weight stream
 
-// x rounded to int8 per 32-value block, with each block's scale and sums.
+// x rounded to int8, with each 32-value block's scale and sums.
 struct QuantizedRows {
   const int8_t* q;       // [m, depth]
   const float* scale;    // [m, blocks]: dx
   const int32_t* sum;    // [m, blocks]: sum(qx)
-  const float* sum_dx;   // [m, blocks]: dx * sum(qx), Q4_1's min term
+  const float* sum_dx;   // [m, blocks]: dx * sum(qx), Q4_1's and Q4_K's min term
 };
 
 // Kept per calling thread and reused: four tensor allocations a call add up at decode, where
@@ -103,49 +108,16 @@ struct RowsBuffer {
   std::vector<int32_t> sum;
 };
 
-// One 32-value block: d = max|x| / 127, q = round(x * 127 / max|x|) (nearest, ties to even);
-// returns sum(q). The same arithmetic per lane at either width.
-inline int32_t quantize_block(const float* v, int8_t* q, float* d) {
-#if defined(__AVX512F__)
-  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
-  *d = amax / 127.0f;
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-#else
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 x[4], amax8 = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    x[i] = _mm256_loadu_ps(v + 8 * i);
-    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, x[i]));
-  }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
-  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-  __m256i qi[4];
-  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(id)));
-  // Saturating packs interleave the 128-bit lanes; the permute puts the 32 bytes in order.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
-                                           _mm256_packs_epi32(qi[2], qi[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  *d = amax / 127.0f;
-  return _mm_cvtsi128_si32(s4);
-#endif
+// x rounded as llama.cpp rounds it for the weight's type (activation_rounding.h).
+constexpr Rounding rounding_of(int64_t kind) {
+  return kind == kQ4_K || kind == kQ6_K ? Rounding::kQ8_K
+         : kind == kQ4_1                ? Rounding::kQ8_1
+                                        : Rounding::kQ8_0;
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth) {
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth, Rounding rounding) {
   const int64_t blocks = depth / kBlock;
+  const int64_t group = pipellm_kernels::group_values(rounding) / kBlock;  // blocks per scale
   thread_local RowsBuffer buffer;
   buffer.q.resize(m * depth);
   buffer.scale.resize(m * blocks);
@@ -155,11 +127,19 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth) {
   float* scale = buffer.scale.data();
   int32_t* sum = buffer.sum.data();
   float* sum_dx = buffer.sum_dx.data();
-  at::parallel_for(0, m * blocks, 64, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      // Rows are contiguous: block i of the whole of x.
-      const int32_t s = quantize_block(x + i * kBlock, q + i * kBlock, &scale[i]);
-      sum[i] = s, sum_dx[i] = scale[i] * static_cast<float>(s);
+  // Rows are contiguous and depth a multiple of the group: group g is blocks g group.. of x.
+  at::parallel_for(0, m * blocks / group, 64 / group, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const float amax = pipellm_kernels::max_magnitude(x + g * group * kBlock, group * kBlock);
+      const GroupScale gs = pipellm_kernels::group_scale(amax, rounding);
+      const float dx = pipellm_kernels::block_dx(gs, rounding);
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+        int32_t halves[2];
+        pipellm_kernels::round_block(x + i * kBlock, gs.inverse, q + i * kBlock, halves);
+        sum[i] = halves[0] + halves[1];
+        scale[i] = dx;
+        sum_dx[i] = pipellm_kernels::block_sum_dx(gs, rounding, sum[i]);
+      }
     }
   });
   return {q, scale, sum, sum_dx};
@@ -614,7 +594,7 @@ at::Tensor pipellm_ops::quantized_linear_int8(const at::Tensor& input, const at:
   const at::Tensor x = input.contiguous();
   PanelOutput y(m, out_features, panels, bias, x.options());
   if (y.empty()) return y.finish();
-  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), m, depth);
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), m, depth, rounding_of(kind));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t panel_bytes = packed.size(1) * bytes, blocks = depth / kBlock;
   const uint8_t* end = wp + panels * panel_bytes;
