@@ -5,6 +5,7 @@ the tensor and its type."""
 from __future__ import annotations
 
 import os
+import struct
 
 import gguf
 import numpy as np
@@ -15,8 +16,11 @@ from gguf_blocks import random_blocks, write_tiny_llama_gguf
 
 from pipellm.config import EngineConfig
 from pipellm.kernels.cpu_kernels import why_unavailable
+from pipellm.loader.gguf_file import GGUFFile, open_gguf
+from pipellm.loader.source import resolve_model
 from pipellm.model.gguf_linear import GgufEmbedding, QuantizedLinear
 from pipellm.worker.worker import StageWorker
+from tests.gguf_models import require_gemma3_270m_gguf
 
 T = GGMLQuantizationType
 # A K-quant mix as llama.cpp's quantizer writes one, and every other type once.
@@ -123,10 +127,75 @@ def test_rows_that_are_not_whole_blocks_are_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from pipellm.loader.gguf_file import GGUFFile
-
     with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' \(Q4_K.*rows of 200 values"):
         GGUFFile(path)
+
+
+def test_an_unknown_tensor_type_id_is_refused(tmp_path):
+    path = tmp_path / "unknown.gguf"
+    write_tiny_llama_gguf(path, {})
+    entry = next(t for t in GGUFFile(path).tensors if t.name == "output_norm.weight")
+    # The type id sits right after the name, the dimension count and one uint64 dimension.
+    raw = bytearray(path.read_bytes())
+    name = struct.pack("<Q", len(entry.name)) + entry.name.encode() + struct.pack("<I", 1)
+    type_at = raw.index(name) + len(name) + 8
+    assert struct.unpack_from("<I", raw, type_at)[0] == T.F32
+    struct.pack_into("<I", raw, type_at, 250)
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=r"'output_norm.weight' has GGML type id 250.*Q8_0"):
+        EngineConfig(model=str(path))
+
+
+@pytest.mark.parametrize(
+    ("cut", "match"),
+    [
+        (lambda raw: b"GGML" + raw[4:], "is not a GGUF file"),
+        (lambda raw: raw[:4] + struct.pack("<I", 1) + raw[8:], "GGUF version 1 is not supported"),
+        (lambda raw: raw[:4] + struct.pack(">I", 3) + raw[8:], "big-endian"),
+        (lambda raw: raw[:100], "header ends before its last field"),
+        (lambda raw: raw[:10], "too short"),
+    ],
+)
+def test_a_bad_header_is_refused_clearly(tmp_path, cut, match):
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama_gguf(path, {})
+    path.write_bytes(cut(path.read_bytes()))
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model=str(path))
+
+
+@pytest.mark.parametrize("model", [None, "google/gemma-3-270m"])
+def test_the_header_reads_as_ggufs_own_reader_reads_it(model):
+    """Every metadata value and tensor entry equals gguf.GGUFReader's (the reference parser)."""
+    if model is not None:
+        require_gemma3_270m_gguf()
+    path = resolve_model(model).path
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    keys = [key for key in theirs.fields if not key.startswith("GGUF.")]
+    for key in keys:
+        value, expected = ours.value(key), theirs.fields[key].contents()
+        assert value == expected and type(value) is type(expected), key
+    assert ours.array_length("tokenizer.ggml.tokens") == len(
+        theirs.fields["tokenizer.ggml.tokens"].data
+    )
+    with pytest.raises(ValueError, match="no metadata field 'general.nothing'"):
+        ours.value("general.nothing")
+    assert ours.value("general.nothing", 7) == 7
+    assert [(t.name, t.tensor_type, t.shape, t.offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes)
+        for t in theirs.tensors
+    ]
+
+
+def test_a_file_rewritten_in_place_is_read_again(tmp_path):
+    path = tmp_path / "model.gguf"
+    write_tiny_llama_gguf(path, {})
+    first = open_gguf(path)
+    assert open_gguf(path) is first
+    write_tiny_llama_gguf(path, {"blk.0.attn_q.weight": T.Q4_K})
+    os.utime(path, ns=(1, 1))  # a new modification time even on a coarse clock
+    tensors = {t.name: t.tensor_type for t in open_gguf(path).tensors}
+    assert tensors["blk.0.attn_q.weight"] == T.Q4_K
 
 
 def test_tensor_parallelism_splits_k_quants_only_on_whole_blocks(tmp_path):
