@@ -256,7 +256,6 @@ def _load(name: str) -> None:
             f"-DPIPELLM_OPS_NAMESPACE={level.namespace}",
         ],
         extra_ldflags=["-fopenmp", "-lrt"],  # -lrt: shm_open where glibc is older than 2.34
-        is_python_module=False,
         verbose=False,
     )
 
