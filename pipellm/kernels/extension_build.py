@@ -39,7 +39,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Far above a build's time (pipellm's kernels: ~30 s a level on 2 cores, ~2 min under load).
+# Far above a build's time (pipellm's kernels: ~1 min a level on 2 cores, ~5 min under load).
 STALE_LOCK_S = 900.0
 _POLL_S = 0.5
 
