@@ -20,7 +20,6 @@ from pipellm.loader.gguf_file import GGUFFile, open_gguf
 from pipellm.loader.source import resolve_model
 from pipellm.model.gguf_linear import GgufEmbedding, QuantizedLinear
 from pipellm.worker.worker import StageWorker
-from tests.gguf_models import require_gemma3_270m_gguf
 
 T = GGMLQuantizationType
 # A K-quant mix as llama.cpp's quantizer writes one, and every other type once.
@@ -164,20 +163,57 @@ def test_a_bad_header_is_refused_clearly(tmp_path, cut, match):
         EngineConfig(model=str(path))
 
 
-@pytest.mark.parametrize("model", [None, "google/gemma-3-270m"])
-def test_the_header_reads_as_ggufs_own_reader_reads_it(model):
-    """Every metadata value and tensor entry equals gguf.GGUFReader's (the reference parser)."""
-    if model is not None:
-        require_gemma3_270m_gguf()
-    path = resolve_model(model).path
+def _every_value_type(path) -> None:
+    """A tiny GGUF whose metadata holds every GGUF value type, arrays of each, and nesting."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for kind, value in [
+        ("uint8", 200),
+        ("int8", -100),
+        ("uint16", 60000),
+        ("int16", -30000),
+        ("uint32", 4_000_000_000),
+        ("int32", -2_000_000_000),
+        ("uint64", 2**63 + 5),
+        ("int64", -(2**62)),
+        ("float32", 0.1),
+        ("float64", 1e-300),
+        ("bool", True),
+        ("string", "héllo ▁ 🦙"),
+    ]:
+        getattr(writer, f"add_{kind}")(f"test.{kind}", value)
+    writer.add_array("test.floats", [0.5, -1.25, 3e-8])
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.strings", ["", "a", "ü", "<0x0A>"])
+    writer.add_array("test.bools", [True, False])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_string("test.after", "read past every array")
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("model", ["every-type", None])
+def test_the_header_reads_as_ggufs_own_reader_reads_it(model, tmp_path):
+    """Every metadata value and tensor entry equals gguf.GGUFReader's (the reference parser):
+    a file with each value type, and the built-in model's."""
+    if model == "every-type":
+        path = tmp_path / "types.gguf"
+        _every_value_type(path)
+    else:
+        path = resolve_model(model).path
     ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
     keys = [key for key in theirs.fields if not key.startswith("GGUF.")]
     for key in keys:
+        if key == "test.nested":  # GGUFReader's contents() flattens nesting; read the parts
+            assert ours.value(key) == [[1, 2], [3]]
+            continue
         value, expected = ours.value(key), theirs.fields[key].contents()
         assert value == expected and type(value) is type(expected), key
-    assert ours.array_length("tokenizer.ggml.tokens") == len(
-        theirs.fields["tokenizer.ggml.tokens"].data
-    )
+    tokens = "test.strings" if model == "every-type" else "tokenizer.ggml.tokens"
+    assert ours.array_length(tokens) == len(theirs.fields[tokens].data)
     with pytest.raises(ValueError, match="no metadata field 'general.nothing'"):
         ours.value("general.nothing")
     assert ours.value("general.nothing", 7) == 7

@@ -37,8 +37,22 @@ _NUMERIC_DTYPES = {
     11: np.dtype("<i8"),
     12: np.dtype("<f8"),
 }
+# One value of each, for struct (whose codes are not numpy's: numpy's "L" is 8 bytes, struct's 4).
 _NUMERIC_FORMATS = {
-    kind: struct.Struct("<" + dtype.char) for kind, dtype in _NUMERIC_DTYPES.items()
+    kind: struct.Struct(code)
+    for kind, code in {
+        0: "<B",
+        1: "<b",
+        2: "<H",
+        3: "<h",
+        4: "<I",
+        5: "<i",
+        6: "<f",
+        7: "<?",
+        10: "<Q",
+        11: "<q",
+        12: "<d",
+    }.items()
 }
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _ALIGNMENT_KEY = "general.alignment"
