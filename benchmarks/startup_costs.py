@@ -163,16 +163,16 @@ def main() -> None:
             for name, tree in trees.items():  # taking turns: load drifts hit every tree alike
                 value = runs[case](tree)
                 seconds.setdefault((case, name), []).append(value)
-                print(f"round {round_index + 1} {case:8s} {name:10s} {value:6.2f} s", flush=True)
+                print(f"round {round_index + 1} {case:16s} {name:10s} {value:7.2f} s", flush=True)
     first = next(iter(trees))
     print(
-        f"\n{'case':10s}" + "".join(f"{name:>14s}" for name in trees) + f"   speed-up over {first}"
+        f"\n{'case':16s}" + "".join(f"{name:>14s}" for name in trees) + f"   speed-up over {first}"
     )
     for case in cases:
         medians = {name: statistics.median(seconds[(case, name)]) for name in trees}
         ratios = " ".join(f"{medians[first] / medians[n]:.2f}x" for n in list(trees)[1:])
         row = "".join(f"{medians[name]:12.2f} s" for name in trees)
-        print(f"{case:10s}{row}   {ratios}")
+        print(f"{case:16s}{row}   {ratios}")
 
 
 if __name__ == "__main__":
