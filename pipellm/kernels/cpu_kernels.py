@@ -5,7 +5,7 @@ Every kernel source is compiled once per level (`LEVELS`: AVX2 + FMA, then AVX-5
 into its own library, `pipellm_cpu_kernels_<level>`, whose ops live in their own namespace,
 `torch.ops.pipellm_<level>.*`. At load time pipellm reads the CPU's feature flags, takes the
 highest level it supports (or the one PIPELLM_CPU_ISA names), builds that library on first use
-with torch's JIT extension builder (g++ and ninja, ~30 s) and caches it under torch's
+with torch's JIT extension builder (g++ and ninja, ~1 min on 2 cores) and caches it under torch's
 extensions folder ($TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions). So one install
 runs the best code on whichever x86-64 machine it lands on, the same way oneDNN and
 llama.cpp's GGML_CPU_ALL_VARIANTS builds choose their code paths. Callers take their ops from
@@ -256,7 +256,6 @@ def _load(name: str) -> None:
             f"-DPIPELLM_OPS_NAMESPACE={level.namespace}",
         ],
         extra_ldflags=["-fopenmp", "-lrt"],  # -lrt: shm_open where glibc is older than 2.34
-        is_python_module=False,
         verbose=False,
     )
 

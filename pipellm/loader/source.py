@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipellm.loader.gguf_file import GGUFFile, gguf_eos_token_ids, gguf_value, open_gguf
+from pipellm.loader.gguf_file import GGUFFile, gguf_eos_token_ids, open_gguf
+from pipellm.loader.gguf_tensors import map_tensors
 from pipellm.loader.registry import BUILTIN_DEFAULT_MODEL, find_preset, preset_names
 from pipellm.model.model_config import ACTIVATIONS, ModelConfig
 
@@ -266,7 +267,7 @@ def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
 
 def _config_from_gguf(path: Path) -> ModelConfig:
     reader = open_gguf(path)
-    arch = gguf_value(reader, "general.architecture")
+    arch = reader.value("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{path}: general.architecture = {arch!r} is not supported; pipellm reads GGUF "
@@ -274,7 +275,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         )
 
     def meta(key: str, *default: Any) -> Any:
-        return gguf_value(reader, f"{arch}.{key}", *default)
+        return reader.value(f"{arch}.{key}", *default)
 
     tensor_names = {tensor.name for tensor in reader.tensors}
     hidden_size, num_heads = meta("embedding_length"), meta("attention.head_count")
@@ -291,7 +292,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         sliding_layers = tuple(i for i in range(num_layers) if (i + 1) % 6)
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=len(gguf_value(reader, "tokenizer.ggml.tokens")),
+        vocab_size=reader.array_length("tokenizer.ggml.tokens"),
         hidden_size=hidden_size,
         intermediate_size=meta("feed_forward_length"),
         num_hidden_layers=num_layers,
@@ -306,7 +307,7 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         attention_output_bias="blk.0.attn_output.bias" in tensor_names,
         rope_scaling=_gguf_rope_scaling(reader, arch, head_dim),
-        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
+        bos_token_id=reader.value("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=gguf_eos_token_ids(reader),
         hidden_activation="gelu_pytorch_tanh" if gemma else "silu",
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -327,13 +328,13 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str, head_dim: int) -> dict[str, 
     """RoPE scaling as Hugging Face's rope_scaling: Llama 3.1's as the per-pair divisors its
     `rope_freqs` tensor stores, linear from metadata; anything else is refused, naming it."""
     key = f"{arch}.rope.scaling.type"
-    kind = gguf_value(reader, key, "none")
+    kind = reader.value(key, "none")
     if kind not in _GGUF_ROPE_SCALING:
         raise UnsupportedModelError(
             f"{reader.path}: {key} = {kind!r} is not supported; pipellm reads "
             f"{', '.join(_GGUF_ROPE_SCALING)} (and Llama 3's rope_freqs tensor)."
         )
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs = next((t for t in map_tensors(reader.path) if t.name == "rope_freqs.weight"), None)
     if freqs is not None:
         factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
         if len(factors) != head_dim // 2:
@@ -343,7 +344,7 @@ def _gguf_rope_scaling(reader: GGUFFile, arch: str, head_dim: int) -> dict[str, 
             )
         return {"rope_type": "llama3", "freq_factors": [float(f) for f in factors]}
     if kind == "linear":
-        return {"rope_type": "linear", "factor": gguf_value(reader, f"{arch}.rope.scaling.factor")}
+        return {"rope_type": "linear", "factor": reader.value(f"{arch}.rope.scaling.factor")}
     return None
 
 

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from pipellm.loader.gguf_tensors import TensorEntry, map_tensors, read_tensor_index
+from pipellm.loader.gguf_file import TensorEntry
+from pipellm.loader.gguf_tensors import map_tensors, read_tensor_index
 from pipellm.loader.source import ModelSource
 from pipellm.model.gguf_linear import GGUF_KERNEL_TYPES, QuantizedWeight
 from pipellm.model.model_config import ModelConfig

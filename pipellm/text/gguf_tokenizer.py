@@ -25,7 +25,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from pipellm.loader.gguf_file import GGUFFile, gguf_value, open_gguf
+from pipellm.loader.gguf_file import GGUFFile, open_gguf
 from pipellm.text.gguf_pretokenizers import GPT2, RULES, PreTokenizerRule, supported_names
 from pipellm.text.tokenizer import Tokenizer
 
@@ -71,7 +71,7 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     reader = open_gguf(path)
     rule = _pre_tokenizer_rule(reader)
     # llama.cpp names empty tokens so that every text maps to one id.
-    raw = gguf_value(reader, "tokenizer.ggml.tokens")
+    raw = reader.value("tokenizer.ggml.tokens")
     tokens = [text or f"[EMPTY_{i}]" for i, text in enumerate(raw)]
     types = _token_types(reader, tokens)
     if rule is None:
@@ -88,12 +88,10 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
 
     # llama.cpp's defaults when the file names no BOS/EOS: SentencePiece's ids 1 and 2.
     default_bos, default_eos = (1, 2) if rule is None else (None, None)
-    bos = gguf_value(reader, "tokenizer.ggml.bos_token_id", default_bos) if has_bos else None
-    eos = gguf_value(reader, "tokenizer.ggml.eos_token_id", default_eos)
-    add_bos = (
-        gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None
-    )
-    add_eos = gguf_value(reader, "tokenizer.ggml.add_eos_token", False) and eos is not None
+    bos = reader.value("tokenizer.ggml.bos_token_id", default_bos) if has_bos else None
+    eos = reader.value("tokenizer.ggml.eos_token_id", default_eos)
+    add_bos = reader.value("tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None
+    add_eos = reader.value("tokenizer.ggml.add_eos_token", False) and eos is not None
     if add_bos or add_eos:  # NOTE: none at all when nothing is added: a no-op one costs time
         backend.post_processor = _bos_eos_processor(
             tokens, bos if add_bos else None, eos if add_eos else None
@@ -102,7 +100,7 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         backend,
         bos_token_id=bos,
         eos_token_ids=_end_of_generation_ids(reader, tokens, eos),
-        chat_template=gguf_value(reader, "tokenizer.chat_template", None),
+        chat_template=reader.value("tokenizer.chat_template", None),
         add_bos_token=False,  # the post-processor adds BOS (and EOS) as the file says
     )
 
@@ -110,7 +108,7 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
 def _token_types(reader: GGUFFile, tokens: list[str]) -> list[int]:
     """The file's token types, with end-of-generation tokens made control tokens (llama.cpp
     overrides them so, as some files mark them normal)."""
-    types = gguf_value(reader, "tokenizer.ggml.token_type", None)
+    types = reader.value("tokenizer.ggml.token_type", None)
     types = types or [gguf.TokenType.NORMAL] * len(tokens)
     return [
         gguf.TokenType.CONTROL if text in _END_OF_GENERATION else kind
@@ -120,7 +118,7 @@ def _token_types(reader: GGUFFile, tokens: list[str]) -> list[int]:
 
 def _pre_tokenizer_rule(reader: GGUFFile) -> PreTokenizerRule | None:
     """The byte-level BPE rule of the file; None for SentencePiece."""
-    model = gguf_value(reader, _MODEL_KEY)
+    model = reader.value(_MODEL_KEY)
     if model not in _KINDS:
         kinds = ", ".join(f"{name!r} ({kind})" for name, kind in _KINDS.items())
         raise UnsupportedTokenizerError(
@@ -131,7 +129,7 @@ def _pre_tokenizer_rule(reader: GGUFFile) -> PreTokenizerRule | None:
     if model == "llama":
         return None
     # llama.cpp reads a file without a pre-tokenizer name as "default" (and warns).
-    pre = gguf_value(reader, _PRE_KEY, "default")
+    pre = reader.value(_PRE_KEY, "default")
     if pre not in RULES:
         raise UnsupportedTokenizerError(
             f"{reader.path}: GGUF metadata {_PRE_KEY} = {pre!r} is not supported; pipellm "
@@ -143,7 +141,7 @@ def _pre_tokenizer_rule(reader: GGUFFile) -> PreTokenizerRule | None:
 
 
 def _sentencepiece(reader: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
-    scores = gguf_value(reader, "tokenizer.ggml.scores")
+    scores = reader.value("tokenizer.ggml.scores")
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab={text: i for i, text in enumerate(tokens)},
@@ -151,7 +149,7 @@ def _sentencepiece(reader: GGUFFile, tokens: list[str]) -> tokenizers.Tokenizer:
             byte_fallback=True,
         )
     )
-    add_space_prefix = gguf_value(reader, "tokenizer.ggml.add_space_prefix", True)
+    add_space_prefix = reader.value("tokenizer.ggml.add_space_prefix", True)
     # NOTE: the normalizer runs on each stretch of text between special tokens, so the prefix
     # space lands after every special token too, as in llama.cpp.
     spaces = normalizers.Replace(" ", _SPACE)
@@ -185,7 +183,7 @@ def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, 
 def _byte_level_bpe(
     reader: GGUFFile, tokens: list[str], rule: PreTokenizerRule
 ) -> tokenizers.Tokenizer:
-    merges = [tuple(merge.split(" ", 1)) for merge in gguf_value(reader, "tokenizer.ggml.merges")]
+    merges = [tuple(merge.split(" ", 1)) for merge in reader.value("tokenizer.ggml.merges")]
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab={text: i for i, text in enumerate(tokens)},
@@ -243,7 +241,7 @@ def _end_of_generation_ids(reader: GGUFFile, tokens: list[str], eos: int | None)
     """EOS first (chat templates render it as eos_token), then every other token that ends
     generation in llama.cpp: the file's end-of-turn and end-of-message ids, and tokens of
     _END_OF_GENERATION's texts."""
-    named = (gguf_value(reader, key, None) for key in _END_OF_GENERATION_KEYS)
+    named = (reader.value(key, None) for key in _END_OF_GENERATION_KEYS)
     by_text = (i for i, text in enumerate(tokens) if text in _END_OF_GENERATION)
     found: Iterable[int | None] = (eos, *named, *sorted(by_text))
     return tuple(dict.fromkeys(i for i in found if i is not None and 0 <= i < len(tokens)))

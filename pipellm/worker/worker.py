@@ -21,6 +21,7 @@ from pipellm.protocol import ModelOutput, ScheduledRequest, SchedulerOutput
 from pipellm.sampling_params import SamplingParams
 from pipellm.text.tokenizer import Tokenizer, load_tokenizer
 from pipellm.worker.input_builder import InputBuilder
+from pipellm.worker.kv_cache_allocation import zeroed_kv_caches
 from pipellm.worker.prompt_logprobs import prompt_logprobs
 from pipellm.worker.stage_memory import (
     LoadedStage,
@@ -131,16 +132,11 @@ class StageWorker:
             self.model.embed_tokens.share_head(self.model.lm_head)  # one copy of the table
         # Each layer's cache has its KV-cache group's blocks (model/cache_groups.py).
         groups = config.kv_cache_groups
-        self.kv_caches = []
-        for layer in self.model.layers:
-            shape = (groups[layer.cache_group].num_blocks, config.block_size)
-            shape += (tp.num_kv_heads, mc.head_dim)
-            self.kv_caches.append(
-                (
-                    torch.zeros(shape, dtype=config.cache_dtype),
-                    torch.zeros(shape, dtype=config.cache_dtype),
-                )
-            )
+        shapes = [
+            (groups[layer.cache_group].num_blocks, config.block_size, tp.num_kv_heads, mc.head_dim)
+            for layer in self.model.layers
+        ]
+        self.kv_caches = zeroed_kv_caches(shapes, config.cache_dtype)
         release_freed_memory()
         self.memory = LoadedStage(name, planned, loaded_weight_bytes(self.model), resident_bytes())
         logger.info("%s", self.memory.describe())
