@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -46,11 +48,26 @@ _CONFIG_CLASSES = {
 TINY_SLIDING_WINDOW = 8
 # Per family, what its tiny checkpoint sets beyond the shared shape: Gemma 3's head_dim is
 # not hidden / heads and its attention scale not head_dim's, as in the real models; its five
-# local layers then one global one (6 layers) use a window of TINY_SLIDING_WINDOW.
+# local layers then one global one (6 layers) use a window of TINY_SLIDING_WINDOW. Mistral's
+# window applies to every layer (its config has no layer_types), so its tiny one is short too.
 _FAMILY_KWARGS = {
     "gemma3": dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_SLIDING_WINDOW),
     "qwen3": dict(head_dim=16),
+    "mistral": dict(sliding_window=TINY_SLIDING_WINDOW),
 }
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run tiny-model work in this process on one thread. Its matrices are a few dozen wide, too
+    small to split; split over two threads, each op waits for the slower one, which, when
+    another process holds a core, is descheduled: then it runs ten times slower, not faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def make_tiny_tokenizer(vocab_size: int = 300) -> tokenizers.Tokenizer:
@@ -80,7 +97,8 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a tiny seeded Hugging Face checkpoint into `directory` and return it.
 
-    arch: "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms), "mistral", "tied" (llama
+    arch: "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms), "mistral" (a sliding window
+    on every layer), "tied" (llama
     with lm_head tied to the embedding) or "gemma3" (see _FAMILY_KWARGS; tied, as Gemma is).
     Shape: 4 layers (Gemma 3: 6), hidden 64, 4 heads of 16 with 2 KV heads (GQA), intermediate
     128, max_position_embeddings 512, vocabulary = the tiny tokenizer's (300 tokens). Every weight,
@@ -108,8 +126,8 @@ def make_tiny_checkpoint(
         **_FAMILY_KWARGS.get(arch, {}),
     )
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
+    with one_torch_thread(), torch.no_grad():
+        model = transformers.AutoModelForCausalLM.from_config(config)
         for name, param in model.named_parameters():
             if "norm" in name and arch == "gemma3":  # Gemma's norms scale by (1 + w)
                 param.normal_(0, 0.1)
@@ -117,8 +135,8 @@ def make_tiny_checkpoint(
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0, 0.1)
-    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+        kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(directory, safe_serialization=True, **kwargs)
     tokenizer.save(str(directory / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

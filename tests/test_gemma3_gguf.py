@@ -12,6 +12,7 @@ with llama-cpp-python importable, a second test computes it afresh.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,17 @@ def reference() -> dict:
     return json.loads(REFERENCE.read_text())
 
 
-def generate(path: Path, prompts: list[list[int]], **engine_args) -> list[list[int]]:
+def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(
         temperature=0, max_tokens=llama_cpp_reference.NUM_NEW_TOKENS, ignore_eos=True
     )
-    with LLM(str(path), max_model_len=1024, **engine_args) as llm:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def generate(path: Path, prompts: list[list[int]], **engine_args) -> list[list[int]]:
+    with LLM(str(path), max_model_len=1024, **engine_args) as llm:
+        return greedy(llm, prompts)
 
 
 def count_identical(tokens: list[list[int]], cases: list[dict]) -> int:
@@ -67,8 +72,16 @@ def count_identical(tokens: list[list[int]], cases: list[dict]) -> int:
 
 
 @pytest.fixture(scope="module")
-def single_process_tokens(gemma_gguf, reference) -> list[list[int]]:
-    return generate(gemma_gguf, [case["prompt"] for case in reference["cases"]])
+def single_process(gemma_gguf) -> Iterator[LLM]:
+    """One PP 1 engine for the module: its tokens are every other test's reference, and its
+    stage is the one the fused-path test watches."""
+    with LLM(str(gemma_gguf), max_model_len=1024) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def single_process_tokens(single_process, reference) -> list[list[int]]:
+    return greedy(single_process, [case["prompt"] for case in reference["cases"]])
 
 
 def test_reference_covers_the_sliding_window(reference):
@@ -105,14 +118,17 @@ def test_greedy_tokens_match_llama_cpp_computed_now(gemma_gguf, reference, singl
     assert count_identical(single_process_tokens, cases) >= 1
 
 
-def test_decode_steps_take_the_fused_path(gemma_gguf, reference):
+def test_decode_steps_take_the_fused_path(single_process, reference):
     """The longest prompt (past the 512-token window): each decode step on the fused path
     (model/decode_fast_path.py) gives the Python path's hidden states, bit for bit."""
     longest = max(reference["cases"], key=lambda case: len(case["prompt"]))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    with LLM(str(gemma_gguf), max_model_len=1024) as llm:
-        stage = llm.engine.executor.worker.model
-        assert stage.decode_fast_path is not None, why_not_fused(stage)
-        both = BothPaths(stage)
-        llm.generate([longest["prompt"]], params, use_tqdm=False)
+    stage = single_process.engine.executor.worker.model
+    assert stage.decode_fast_path is not None, why_not_fused(stage)
+    both = BothPaths(stage)
+    try:
+        single_process.generate([longest["prompt"]], params, use_tqdm=False)
+    finally:
+        stage.decode_fast_path = both.fused
+        del stage.forward  # BothPaths wrapped the bound method on the instance
     assert both.steps == params.max_tokens - 1
