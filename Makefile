@@ -28,7 +28,8 @@ demo: install
 	$(VENV)/bin/pipellm demo
 
 test: install
-	$(PY) -m pytest -q -x tests
+	# --durations names the slowest tests in every run, so a test that grows is seen.
+	$(PY) -m pytest -q -x --durations=25 tests
 
 lint: install
 	$(VENV)/bin/ruff check pipellm tests benchmarks
