@@ -53,7 +53,8 @@ class KernelOps:
     def quantized_linear_int8(
         self, x: Tensor, packed: Tensor, kind: int, bias: Tensor | None, out_features: int
     ) -> Tensor:
-        """x rounded to int8 per 32 values times a pack_int8_weight weight."""
+        """x rounded to int8 as llama.cpp rounds it for the weight's type (activation_rounding.h)
+        times a pack_int8_weight weight."""
         return self._ops.quantized_linear_int8(x, packed, kind, bias, out_features)
 
     # ---- GGUF types as stored (gguf_linear.cpp, gguf_type_table.cpp) -----------------------
@@ -77,7 +78,7 @@ class KernelOps:
         bias: Tensor | None,
         out_features: int,
     ) -> Tensor:
-        """gguf_linear with x rounded to int8 per 32 values."""
+        """gguf_linear with x rounded to int8 as llama.cpp rounds it for each part's type."""
         return self._ops.gguf_linear_int8(x, parts, types, bias, out_features)
 
     def gguf_embedding(self, ids: Tensor, blocks: Tensor, type: int, hidden: int) -> Tensor:

@@ -361,9 +361,9 @@ class QuantizedLinear(nn.Module):
         int8_activations: bool = False,
     ) -> None:
         """level: the kernels' instruction-set level (default: the one chosen for this CPU).
-        int8_activations: x rounded to int8 per 32 values and integer dot products
-        (`quantization="gguf_int8"`: faster, not bit-identical to float32); a part in a
-        16-bit float type keeps the exact path."""
+        int8_activations: x rounded to int8 (per 32 values, per 256 for the K-quants) and
+        integer dot products (`quantization="gguf_int8"`: faster, not bit-identical to
+        float32); a part in a 16-bit float type keeps the exact path."""
         super().__init__()
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bias = bias
