@@ -105,3 +105,27 @@ def test_the_build_directory_is_torchs(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     theirs = cpp_extension._get_build_directory("pipellm_test_dir", verbose=False)
     assert extension_build.build_directory("pipellm_test_dir") == Path(theirs)
+
+
+def test_the_default_build_directory_in_a_fresh_interpreter(monkeypatch, tmp_path):
+    """Without $TORCH_EXTENSIONS_DIR, in a process that has imported nothing of torch's build
+    tooling (as every engine start is): the same folder as torch's builder, and the tooling
+    still not imported."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    script = (
+        "import sys\n"
+        "from pipellm.kernels.extension_build import build_directory\n"
+        "print(build_directory('pipellm_test_dir'))\n"
+        "print('torch.utils.cpp_extension' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    ours, tooling_imported = done.stdout.split()
+    theirs = cpp_extension._get_build_directory("pipellm_test_dir", verbose=False)
+    assert Path(ours) == Path(theirs)
+    assert tooling_imported == "False"

@@ -53,6 +53,7 @@ def build_directory(name: str) -> Path:
     per-user cache folder with a Python-version-and-accelerator subfolder (computed here as
     torch does, so that a current build loads without importing torch's build tooling)."""
     import torch
+    from torch import _appdirs  # a submodule that `import torch` alone does not load
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
@@ -63,7 +64,7 @@ def build_directory(name: str) -> Path:
         else:
             accelerator = "cpu"
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        cache = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+        cache = os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
         root = os.path.join(cache, f"{python}_{accelerator}")
     return Path(root) / name
 
