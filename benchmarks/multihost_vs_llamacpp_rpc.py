@@ -12,7 +12,10 @@ as pipellm's last stage holds them. Each bench client runs in the first host's n
 on no host's core, as a client on a third machine would.
 
     python benchmarks/multihost_vs_llamacpp_rpc.py \\
-        --llamacpp-build /path/to/llama.cpp/build
+        --llamacpp-build /path/to/llama.cpp/build [--quantization gguf_int8]
+
+`--quantization gguf_int8` runs pipellm with llama.cpp's arithmetic (activations rounded to 8
+bits per block, as llama.cpp's dot products round them) instead of its exact default.
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ def pipellm_flags(args: argparse.Namespace, trace: Path | None) -> list[str]:
         "{host}",
         "--port",
         str(SERVER_PORT),
+        "--quantization",
+        args.quantization,
     ]
     return flags + (["--trace-file", str(trace)] if trace is not None else [])
 
@@ -356,6 +361,13 @@ def main() -> None:
         "sources once into a cache, benchmarks/llamacpp_tools.py)",
     )
     parser.add_argument(
+        "--quantization",
+        choices=("gguf", "gguf_int8"),
+        default="gguf",
+        help="pipellm's arithmetic: gguf (its default: exact products of the stored weights) or "
+        "gguf_int8 (activations rounded to 8 bits per block, as llama.cpp's own dot products do)",
+    )
+    parser.add_argument(
         "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="which to run"
     )
     parser.add_argument(
@@ -379,7 +391,11 @@ def main() -> None:
         raise SystemExit(f"the two-host configurations need network namespaces: {reason}")
     if CONFIGS[2] in args.configs:
         llamacpp_tools.tools(args.llamacpp_build)  # built (or found) before anything is timed
-    print(f"model {source.path}, {os.cpu_count()} cores, link {args.rate}", flush=True)
+    print(
+        f"model {source.path}, {os.cpu_count()} cores, link {args.rate}, "
+        f"pipellm --quantization {args.quantization}",
+        flush=True,
+    )
     rounds: list[dict[str, dict]] = []
     for _ in range(args.rounds):  # taking turns, so a load that comes and goes hits each
         results: dict[str, dict] = {}
