@@ -12,9 +12,9 @@ random dataset, INPUT -> 32 tokens, concurrency 8), as vLLM's issue ran `vllm be
                            (pipellm/engine/chunk_cost.py); not run unless named in --setups
   balanced+cost+blocking   the same with --pp-blocking-loop; not run unless named
 
-`--blocking-rows` adds the --pp-blocking-loop twin of every chosen setup that lacks one, so the
-three setups of the docs' table (balanced, no-balance, balanced+cost) run beside their blocking
-twins, all taking turns in one run.
+`--blocking-rows` adds the --pp-blocking-loop twin of every chosen setup that lacks one, so
+each half of the fix shows apart (docs/benchmarks.md runs balanced and no-balance this way),
+all taking turns in one run.
 
 Configurations take turns (every input length, every configuration, then again for each
 --rounds), so machine noise hits all alike. Prints each run's `bench serve` table, then per
