@@ -112,8 +112,10 @@ def limit_memory(cgroups: list[str]) -> dict:
     limits = []
     for group in cgroups:  # each host from what its own processes hold
         limit = cgroup_v1_in_use(Path(group)) + runtime + (need_half + need_whole) // 2
-        Path(group, "memory.limit_in_bytes").write_text(str(limit))
-        limits.append(limit)
+        limit_file = Path(group, "memory.limit_in_bytes")
+        limit_file.write_text(str(limit))
+        # The kernel stores the limit rounded down to a page: the engine reports that figure.
+        limits.append(int(limit_file.read_text()))
     return {"limits": limits, "half": need_half, "whole": need_whole}
 
 
