@@ -8,6 +8,7 @@ as before, at no cost: a page becomes resident when a request's K/V first lands 
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -20,25 +21,17 @@ def zeroed_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A (K, V) pair of zero tensors of each shape, all views of one anonymous map (each keeps
     the map alive)."""
-    item_bytes = torch.empty(0, dtype=dtype).element_size()
-    sizes = [_aligned(_numel(shape) * item_bytes) for shape in shapes]
+    sizes = [_aligned(math.prod(shape) * dtype.itemsize) for shape in shapes]
     memory = mmap.mmap(-1, max(2 * sum(sizes), _ALIGNMENT), flags=mmap.MAP_PRIVATE)
     caches, offset = [], 0
     for shape, size in zip(shapes, sizes, strict=True):
         pair = []
         for _ in range(2):
-            flat = torch.frombuffer(memory, dtype=dtype, count=_numel(shape), offset=offset)
+            flat = torch.frombuffer(memory, dtype=dtype, count=math.prod(shape), offset=offset)
             pair.append(flat.view(shape))
             offset += size
         caches.append((pair[0], pair[1]))
     return caches
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 def _aligned(n_bytes: int) -> int:
