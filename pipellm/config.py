@@ -142,6 +142,12 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             _fail("kv_cache_dtype", self.kv_cache_dtype, f"use auto or one of {', '.join(DTYPES)}")
+        if self.torch_dtype == torch.float32 and self.cache_dtype == torch.bfloat16:
+            _fail(
+                "kv_cache_dtype",
+                self.kv_cache_dtype,
+                "a float32 model keeps its KV cache in float32 or float16 (the CPU kernels' types)",
+            )
         if self.distributed_executor_backend is None:
             single = self.pipeline_parallel_size == 1 and self.tensor_parallel_size == 1
             self.distributed_executor_backend = "uni" if single else "mp"

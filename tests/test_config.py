@@ -45,6 +45,8 @@ def tiny(tmp_path_factory):
             dict(pipeline_parallel_size=2, pp_async_batch_depth=1, pp_blocking_loop=True),
             "pp_blocking_loop keeps one micro-batch in flight",
         ),
+        (dict(kv_cache_dtype="float8"), "kv_cache_dtype='float8'"),
+        (dict(kv_cache_dtype="bfloat16"), "float32 or float16 (the CPU kernels' types)"),
         (dict(quantization="awq"), "quantization='awq'"),
         (dict(quantization="gguf"), "needs a .gguf model"),
         (dict(quantization="gguf_int8"), "needs a .gguf model"),

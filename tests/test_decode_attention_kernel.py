@@ -77,6 +77,26 @@ def test_kernel_matches_reference(kernel_ops, head_dim, heads, kv_heads):
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, tables, lens, scale))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [0, 20])
+def test_float16_cache_reads_as_its_float32_widening(kernel_ops, head_dim, window):
+    """A float16 cache (kv_cache_dtype="float16") gives the bits a float32 cache holding the
+    same values gives: the kernel widens each value exactly, then computes as in float32."""
+    lens = [1, 17, 64, 130]
+    k_cache, v_cache, tables = random_paged_cache(lens, 16, 3, head_dim, seed=5)
+    k_half, v_half = k_cache.half(), v_cache.half()
+    q = torch.randn(len(lens), 9, head_dim)
+    args = (tables, torch.tensor(lens), 0.125, None, window)
+    out_half, out_float = torch.empty(q.shape), torch.empty(q.shape)
+    kernel_ops.paged_decode_attention(out_half, q, k_half, v_half, *args)
+    kernel_ops.paged_decode_attention(out_float, q, k_half.float(), v_half.float(), *args)
+    assert torch.equal(out_half, out_float)
+    expected = reference(q, k_half.float(), v_half.float(), tables, lens, 0.125, window=window)
+    torch.testing.assert_close(out_half, expected)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        kernel_ops.paged_decode_attention(out_half, q, k_half, v_cache, *args)
+
+
 @pytest.mark.parametrize("starts", [(0, 3, 5), (0, 2, 5), (0, 1, 4), (0, 2, 2, 5)])
 def test_kernel_uneven_groups(kernel_ops, starts):
     """A tensor-parallel rank's heads: KV head h serves query heads [starts[h], starts[h+1])."""

@@ -93,6 +93,31 @@ def test_scheduling_choices_do_not_change_tokens(llama_checkpoint, engine_args):
     assert generate(directory, prompts, **engine_args) == expected
 
 
+def test_a_float16_kv_cache_holds_twice_the_blocks_and_keeps_the_tokens(llama_checkpoint):
+    """kv_cache_dtype="float16": the same memory holds twice the blocks; a prompt gives the same
+    tokens whole or in 16-token chunks that read the earlier ones back from the cache (the
+    step's own keys and values are the rounded ones it caches); and the tokens stay near
+    transformers' float32 ones (this tiny random model has near-ties that rounding may flip)."""
+    directory, prompts, expected = llama_checkpoint
+    blocks = {}
+    for dtype in ("float32", "float16"):
+        with LLM(str(directory), kv_cache_memory=1 << 22, kv_cache_dtype=dtype) as llm:
+            blocks[dtype] = llm.engine.block_manager.num_blocks
+    assert blocks["float16"] == 2 * blocks["float32"]
+    whole = generate(directory, prompts, kv_cache_dtype="float16")
+    chunked = generate(
+        directory,
+        prompts,
+        kv_cache_dtype="float16",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+    )
+    assert chunked == whole
+    pairs = zip(sum(whole, []), sum(expected, []), strict=True)
+    same = sum(a == b for a, b in pairs)
+    assert same >= 0.9 * len(prompts) * NUM_NEW_TOKENS
+
+
 def test_prefix_cache_hits_and_preemption_do_not_change_tokens(llama_checkpoint):
     """The first prompt alone, then the other five, which share its 20-token prefix: the next
     one reuses its first block, and 12 blocks of 16 tokens cannot hold five growing sequences, so

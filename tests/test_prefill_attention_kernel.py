@@ -138,6 +138,26 @@ def test_prefill_kernel_reads_paged_cache_through_block_table(kernel_ops, prefix
         kernel_ops.prefill_attention(out, q, k_cache, v_cache, 0.125, None, window, prefix, bad)
 
 
+@pytest.mark.parametrize("window", [0, 50])
+def test_prefill_kernel_reads_a_float16_cache_as_its_widening(kernel_ops, window):
+    """A continued chunk over a float16 cache (kv_cache_dtype="float16") gets the bits the same
+    values give as float32: the keys and values are widened exactly as they are packed."""
+    heads, kv_heads, head_dim, block_size, prefix, length = 9, 3, 64, 16, 100, 40
+    generator = torch.Generator().manual_seed(11)
+    shape = (12, block_size, kv_heads, head_dim)
+    k_cache = (torch.randn(shape, generator=generator) * 2).half()
+    v_cache = torch.randn(shape, generator=generator).half()
+    table = torch.randperm(12, generator=generator)[:9]
+    q = torch.randn(length, heads, head_dim, generator=generator) * 2
+    out, expected = torch.empty(length, heads, head_dim), torch.empty(length, heads, head_dim)
+    args = (0.125, None, window, prefix, table)
+    kernel_ops.prefill_attention(out, q, k_cache, v_cache, *args)
+    kernel_ops.prefill_attention(expected, q, k_cache.float(), v_cache.float(), *args)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="float16"):
+        kernel_ops.prefill_attention(out, q, k_cache, v_cache.float(), *args)
+
+
 # A prompt cut into chunks (each after its cached prefix) gets the same bits in every row as the
 # prompt computed whole: the reason greedy tokens do not depend on how the scheduler cuts
 # prompts (balanced micro-batches or not). The cuts and lengths cross the kernel's 64-query

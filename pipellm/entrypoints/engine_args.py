@@ -77,7 +77,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="fraction of GPU memory to use (GPU only; accepted and ignored on CPU)",
     )
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or a dtype")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype), float32, float16 (half the cache memory and of the bytes "
+        "a decode step reads; keys and values rounded once as written, llama.cpp's default "
+        "cache type) or bfloat16 (bfloat16 models only)",
+    )
     g.add_argument(
         "-pp",
         "--pipeline-parallel-size",

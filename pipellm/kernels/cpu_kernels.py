@@ -65,6 +65,8 @@ SOURCES = [_KERNELS_DIR / name for name in _FILES] + [
 ]
 # Head sizes the attention kernel is instantiated for (see attend_for in the source).
 DECODE_ATTENTION_HEAD_DIMS = frozenset({16, 32, 64, 80, 96, 128, 256})
+# KV-cache dtypes the attention kernels read and write (float16 through F16C).
+KERNEL_CACHE_DTYPES = frozenset({torch.float32, torch.float16})
 _DISABLE_ENV = "PIPELLM_CPU_KERNELS"
 LEVEL_ENV = "PIPELLM_CPU_ISA"
 

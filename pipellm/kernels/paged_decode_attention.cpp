@@ -5,8 +5,10 @@
 // kernel, which is slow at query length 1. Here each (sequence, KV head) pair is one task that
 // reads its keys and values once, in place, and serves all query heads of its GQA group while
 // they are in L1. Two passes: scores (and an exact softmax over them), then the weighted sum of
-// values. Groups may be uneven (`group_starts`, query_groups.h). AVX2 + FMA, float32 only;
-// pipellm/kernels/cpu_kernels.py builds it and falls back to SDPA where it cannot.
+// values. Groups may be uneven (`group_starts`, query_groups.h). AVX2 + FMA; the query and out
+// are float32, the cache float32 or float16 (widened as it is read, F16C: half the bytes to
+// stream, the cache llama.cpp keeps by default); pipellm/kernels/cpu_kernels.py builds it and
+// falls back to SDPA where it cannot.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -36,15 +38,22 @@ inline __m256 sum_each(const __m256 a[8]) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+// Eight cache values as float32.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+template <typename T>
 struct CacheView {
-  const float* base;    // this KV head's slice of the cache (block 0, token 0)
+  const T* base;         // this KV head's slice of the cache (block 0, token 0)
   const int64_t* table;  // this sequence's block ids
   int64_t block_size;
-  int64_t block_stride;  // floats between blocks
-  int64_t token_stride;  // floats between tokens of a block
+  int64_t block_stride;  // elements between blocks
+  int64_t token_stride;  // elements between tokens of a block
 
   // Row pointers of tokens [first, first + n).
-  void rows(int64_t first, int64_t n, const float** out) const {
+  void rows(int64_t first, int64_t n, const T** out) const {
     for (int64_t i = 0, b = first / block_size, o = first % block_size; i < n; ++i) {
       out[i] = base + table[b] * block_stride + o * token_stride;
       if (++o == block_size) {
@@ -56,11 +65,11 @@ struct CacheView {
 
   // Asks for tokens [first, first + n) to be brought into cache: the block table hides the
   // next rows from the hardware prefetcher, which only follows plain strides.
-  void prefetch(int64_t first, int64_t n, int64_t row_floats) const {
-    const float* ahead[kChunk];
+  void prefetch(int64_t first, int64_t n, int64_t row_elements) const {
+    const T* ahead[kChunk];
     rows(first, n, ahead);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t byte = 0; byte < row_floats * 4; byte += 64)
+      for (int64_t byte = 0; byte < row_elements * int64_t{sizeof(T)}; byte += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead[i]) + byte, _MM_HINT_T0);
   }
 };
@@ -68,13 +77,13 @@ struct CacheView {
 // One sequence and KV head: `group` query heads of head_dim 8 * V, attending to cached tokens
 // [begin, len) (begin > 0 for a sliding-window layer). scores: scratch of
 // group * round_up(len - begin, 8) floats.
-template <int V>
-void attend(const float* query, int64_t query_head_stride, int64_t group, const CacheView& keys,
-            const CacheView& values, int64_t begin, int64_t len, float scale, float* scores,
-            float* out) {
+template <int V, typename T>
+void attend(const float* query, int64_t query_head_stride, int64_t group,
+            const CacheView<T>& keys, const CacheView<T>& values, int64_t begin, int64_t len,
+            float scale, float* scores, float* out) {
   constexpr int64_t D = 8 * V;
   const int64_t count = len - begin, padded = (count + 7) / 8 * 8;
-  const float* rows[kChunk];
+  const T* rows[kChunk];
   for (int64_t first = begin; first < len; first += kChunk) {
     const int64_t n = std::min(kChunk, len - first);
     keys.rows(first, n, rows);
@@ -85,9 +94,9 @@ void attend(const float* query, int64_t query_head_stride, int64_t group, const 
       for (int64_t i = 0; i < n; i += 8) {
         __m256 dots[8];
         for (int u = 0; u < 8; ++u) {
-          const float* k = rows[std::min<int64_t>(i + u, n - 1)];  // past the end: a repeat
-          __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
-          for (int j = 1; j < V; ++j) acc = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(k + j * 8), acc);
+          const T* k = rows[std::min<int64_t>(i + u, n - 1)];  // past the end: a repeat
+          __m256 acc = _mm256_mul_ps(q[0], load8(k));
+          for (int j = 1; j < V; ++j) acc = _mm256_fmadd_ps(q[j], load8(k + j * 8), acc);
           dots[u] = acc;
         }
         _mm256_storeu_ps(scores + g * padded + first - begin + i, sum_each(dots));
@@ -109,27 +118,65 @@ void attend(const float* query, int64_t query_head_stride, int64_t group, const 
       for (int64_t i = 0; i < n; ++i) {
         const __m256 weight = _mm256_broadcast_ss(p + i);
         for (int j = 0; j < V; ++j)
-          acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(rows[i] + j * 8), acc[j]);
+          acc[j] = _mm256_fmadd_ps(weight, load8(rows[i] + j * 8), acc[j]);
       }
       for (int j = 0; j < V; ++j) _mm256_storeu_ps(out + g * D + j * 8, acc[j]);
     }
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, int64_t, const CacheView&, const CacheView&,
-                          int64_t, int64_t, float, float*, float*);
+template <typename T>
+using AttendFn = void (*)(const float*, int64_t, int64_t, const CacheView<T>&,
+                          const CacheView<T>&, int64_t, int64_t, float, float*, float*);
 
-AttendFn attend_for(int64_t head_dim) {
+template <typename T>
+AttendFn<T> attend_for(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return attend<2>;
-    case 32: return attend<4>;
-    case 64: return attend<8>;
-    case 80: return attend<10>;
-    case 96: return attend<12>;
-    case 128: return attend<16>;
-    case 256: return attend<32>;
+    case 16: return attend<2, T>;
+    case 32: return attend<4, T>;
+    case 64: return attend<8, T>;
+    case 80: return attend<10, T>;
+    case 96: return attend<12, T>;
+    case 128: return attend<16, T>;
+    case 256: return attend<32, T>;
     default: return nullptr;
   }
+}
+
+struct Shapes {
+  int64_t seqs, heads, head_dim, kv_heads, block_size, max_blocks;
+};
+
+template <typename T>
+void attend_all(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                const at::Tensor& value_cache, const int64_t* tables, const int64_t* lens,
+                const std::vector<int64_t>& starts, const Shapes& s, float scale, int64_t window) {
+  const AttendFn<T> attend_fn = attend_for<T>(s.head_dim);
+  TORCH_CHECK(attend_fn != nullptr, "paged_decode_attention: head_dim ", s.head_dim,
+              " unsupported");
+  const int64_t token_stride = s.kv_heads * s.head_dim, block_stride = s.block_size * token_stride;
+  const float* q = query.data_ptr<float>();
+  const T* k = key_cache.data_ptr<T>();
+  const T* v = value_cache.data_ptr<T>();
+  float* o = out.data_ptr<float>();
+  const int64_t query_seq_stride = query.stride(0), query_head_stride = query.stride(1);
+  at::parallel_for(0, s.seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / s.kv_heads, h = task % s.kv_heads;
+      const int64_t len = lens[seq], group = starts[h + 1] - starts[h];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      if (group == 0) continue;
+      scores.resize(group * ((len - first + 7) / 8 * 8));
+      const int64_t* table = tables + seq * s.max_blocks;
+      const CacheView<T> keys{k + h * s.head_dim, table, s.block_size, block_stride, token_stride};
+      const CacheView<T> values{v + h * s.head_dim, table, s.block_size, block_stride,
+                                token_stride};
+      attend_fn(q + seq * query_seq_stride + starts[h] * query_head_stride, query_head_stride,
+                group, keys, values, first, len, scale, scores.data(),
+                o + (seq * s.heads + starts[h]) * s.head_dim);
+    }
+  });
 }
 
 }  // namespace
@@ -143,9 +190,14 @@ void pipellm_ops::paged_decode_attention(const at::Tensor& out, const at::Tensor
                                          const at::Tensor& block_tables,
                                          const at::Tensor& context_lens, double scale,
                                          at::OptionalIntArrayRef group_starts, int64_t window) {
-  for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
+  for (const at::Tensor* t : {&out, &query})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
-                "paged_decode_attention: float32 CPU tensors only");
+                "paged_decode_attention: float32 CPU query and out only");
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
+                  value_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kHalf),
+              "paged_decode_attention: the caches must be float32 or float16 CPU tensors");
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_decode_attention: out and the caches must be contiguous");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && out.sizes() == query.sizes(),
@@ -155,47 +207,29 @@ void pipellm_ops::paged_decode_attention(const at::Tensor& out, const at::Tensor
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
                   context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
               "paged_decode_attention: block_tables and context_lens must be contiguous int64");
-  const int64_t seqs = query.size(0), heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim,
+  const Shapes shapes{query.size(0),     query.size(1),     query.size(2),
+                      key_cache.size(2), key_cache.size(1), block_tables.size(1)};
+  TORCH_CHECK(key_cache.size(3) == shapes.head_dim,
               "paged_decode_attention: query and cache head shapes do not match");
-  const std::vector<int64_t> starts =
-      pipellm_kernels::query_group_starts(heads, kv_heads, group_starts, "paged_decode_attention");
-  TORCH_CHECK(block_tables.size(0) == seqs && context_lens.numel() == seqs,
+  const std::vector<int64_t> starts = pipellm_kernels::query_group_starts(
+      shapes.heads, shapes.kv_heads, group_starts, "paged_decode_attention");
+  TORCH_CHECK(block_tables.size(0) == shapes.seqs && context_lens.numel() == shapes.seqs,
               "paged_decode_attention: one block table and context length per sequence");
-  const AttendFn attend_fn = attend_for(head_dim);
-  TORCH_CHECK(attend_fn != nullptr, "paged_decode_attention: head_dim ", head_dim, " unsupported");
-  const int64_t max_blocks = block_tables.size(1), num_blocks = key_cache.size(0);
+  const int64_t num_blocks = key_cache.size(0), max_blocks = shapes.max_blocks;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t s = 0; s < seqs; ++s) {
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "bad context length");
-    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b)
+  for (int64_t s = 0; s < shapes.seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * shapes.block_size, "bad context length");
+    for (int64_t b = 0; b < (lens[s] + shapes.block_size - 1) / shapes.block_size; ++b)
       TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < num_blocks,
                   "block id out of range");
   }
-  const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
-  const float* q = query.data_ptr<float>();
-  const float* k = key_cache.data_ptr<float>();
-  const float* v = value_cache.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t len = lens[s], group = starts[h + 1] - starts[h];
-      const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      if (group == 0) continue;
-      scores.resize(group * ((len - begin + 7) / 8 * 8));
-      const CacheView keys{k + h * head_dim, tables + s * max_blocks, block_size, block_stride,
-                           token_stride};
-      const CacheView values{v + h * head_dim, tables + s * max_blocks, block_size, block_stride,
-                             token_stride};
-      attend_fn(q + s * query.stride(0) + starts[h] * query.stride(1), query.stride(1), group,
-                keys, values, begin, len, static_cast<float>(scale), scores.data(),
-                o + (s * heads + starts[h]) * head_dim);
-    }
-  });
+  if (cache_type == at::kHalf)
+    attend_all<at::Half>(out, query, key_cache, value_cache, tables, lens, starts, shapes,
+                         static_cast<float>(scale), window);
+  else
+    attend_all<float>(out, query, key_cache, value_cache, tables, lens, starts, shapes,
+                      static_cast<float>(scale), window);
 }
 
 PIPELLM_LIBRARY_FRAGMENT(m) {

@@ -18,7 +18,8 @@
 // k and v are a layer's [num_blocks, block_size, Hkv, D] caches (the chunk's own keys already
 // written there) and key t lives in block block_table[t / block_size], slot t % block_size.
 // Each task packs the keys it sees anyway, so reading them through the table costs nothing;
-// gathering the whole context into one tensor first was a full extra copy per chunk.
+// gathering the whole context into one tensor first was a full extra copy per chunk. A float16
+// cache is widened to float32 as it is packed.
 //
 // Groups may be uneven: `group_starts` (kv_heads + 1 offsets) gives each KV head's run of
 // query heads, e.g. a tensor-parallel rank holding SmolLM2's query heads 0-4 uses KV head 0
@@ -59,11 +60,15 @@ void pipellm_ops::prefill_attention(const at::Tensor& out, const at::Tensor& q,
                                     at::OptionalIntArrayRef group_starts, int64_t window,
                                     int64_t prefix, const std::optional<at::Tensor>& block_table) {
   const bool paged = block_table.has_value();
-  for (const at::Tensor* t : {&out, &q, &k, &v})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat &&
-                    t->dim() == (paged && (t == &k || t == &v) ? 4 : 3) && t->stride(-1) == 1,
+  const bool half_cache = paged && k.scalar_type() == at::kHalf;
+  for (const at::Tensor* t : {&out, &q, &k, &v}) {
+    const bool cache = paged && (t == &k || t == &v);
+    TORCH_CHECK(t->device().is_cpu() &&
+                    t->scalar_type() == (cache && half_cache ? at::kHalf : at::kFloat) &&
+                    t->dim() == (cache ? 4 : 3) && t->stride(-1) == 1,
                 "prefill_attention: float32 CPU tensors with a contiguous last dim; q and out "
-                "3-D, k and v 3-D (or 4-D paged caches with a block table)");
+                "3-D, k and v 3-D (or 4-D paged caches, float32 or float16, with a block table)");
+  }
   const int64_t len = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k.size(-2);
   const int64_t context = prefix + len;
@@ -99,8 +104,15 @@ void pipellm_ops::prefill_attention(const at::Tensor& out, const at::Tensor& q,
   const int64_t dim_panels = head_dim / kPanel;
   const int64_t blocks = (len + kQueryBlock - 1) / kQueryBlock;
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  // Row `offset` (in elements) of a cache as float32: in place, or widened into `scratch`.
+  auto row_floats = [&](const char* base, int64_t offset, float* scratch) -> const float* {
+    if (!half_cache) return reinterpret_cast<const float*>(base) + offset;
+    const at::Half* row = reinterpret_cast<const at::Half*>(base) + offset;
+    for (int64_t d = 0; d < head_dim; ++d) scratch[d] = static_cast<float>(row[d]);
+    return scratch;
+  };
   float* op = out.data_ptr<float>();
   const auto options = q.options();
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -124,9 +136,10 @@ void pipellm_ops::prefill_attention(const at::Tensor& out, const at::Tensor& q,
       float* kpk = keys_packed.data_ptr<float>();
       float* vpk = values_packed.data_ptr<float>();
       float* sp = scores.data_ptr<float>();
+      std::vector<float> key_row(half_cache ? head_dim : 0), value_row(key_row.size());
       for (int64_t t = 0; t < keys; ++t) {
-        const float* kt = kp + row_of(k, k0 + t, h);
-        const float* vt = vp + row_of(v, k0 + t, h);
+        const float* kt = row_floats(kp, row_of(k, k0 + t, h), key_row.data());
+        const float* vt = row_floats(vp, row_of(v, k0 + t, h), value_row.data());
         float* kdst = kpk + (t / kPanel) * head_dim * kPanel + t % kPanel;
         for (int64_t d = 0; d < head_dim; ++d) kdst[d * kPanel] = kt[d];
         for (int64_t c = 0; c < dim_panels; ++c)

@@ -5,6 +5,10 @@
 // the split, two index_copy_), each a pass over memory at prefill sizes and a few microseconds
 // of dispatch at decode sizes. Rounding is kept exactly as in pipellm/model/rope.py (a product,
 // a product, a sum; no fused multiply-add), so both paths give bit-identical results.
+//
+// A float16 cache gets each key and value rounded to float16 (round to nearest even, F16C), and
+// the same rounded numbers replace them in qkv: the step's own attention then sees what later
+// steps read from the cache, so a prompt gives the same result in one chunk or in several.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -34,18 +38,39 @@ inline void rotate_head(float* x, const float* cos, const float* sin, int64_t he
   for (; i < head_dim; ++i) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
 }
 
+// n floats into a float16 cache row, and the rounded values back into x. Both conversions round
+// to nearest even, as torch's .half() does.
+inline void store_rounded(float* x, at::Half* cache, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cache + i), half);
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(half));
+  }
+  for (; i < n; ++i) {
+    cache[i] = at::Half(x[i]);
+    x[i] = static_cast<float>(cache[i]);
+  }
+}
+
 }  // namespace
 
 // qkv: [T, num_heads + 2 num_kv_heads, head_dim], query heads, then key heads, then value heads;
-// cos, sin: [T, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+// cos, sin: [T, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim], float32 or
+// float16;
 // slot_mapping: [T] int64, the cache slot (block * block_size + offset) of each token.
 void pipellm_ops::rotary_and_cache_(const at::Tensor& qkv, const at::Tensor& cos,
                                     const at::Tensor& sin, const at::Tensor& key_cache,
                                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
                                     int64_t num_heads, int64_t num_kv_heads) {
-  for (const at::Tensor* t : {&qkv, &cos, &sin, &key_cache, &value_cache})
+  for (const at::Tensor* t : {&qkv, &cos, &sin})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "rotary_and_cache_: contiguous float32 CPU tensors only");
+  const bool half_cache = key_cache.scalar_type() == at::kHalf;
+  for (const at::Tensor* t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() &&
+                    t->scalar_type() == (half_cache ? at::kHalf : at::kFloat),
+                "rotary_and_cache_: the caches must be contiguous float32 or float16 CPU tensors");
   const int64_t tokens = qkv.size(0), head_dim = qkv.size(2);
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(1) == num_heads + 2 * num_kv_heads,
               "rotary_and_cache_: qkv must be [tokens, heads + 2 kv_heads, head_dim]");
@@ -67,17 +92,22 @@ void pipellm_ops::rotary_and_cache_(const at::Tensor& qkv, const at::Tensor& cos
   float* base = qkv.data_ptr<float>();
   const float* cos_p = cos.data_ptr<float>();
   const float* sin_p = sin.data_ptr<float>();
-  float* k_cache = key_cache.data_ptr<float>();
-  float* v_cache = value_cache.data_ptr<float>();
+  void* k_cache = key_cache.data_ptr();
+  void* v_cache = value_cache.data_ptr();
   // Grain: a decode batch is too small to be worth waking a second thread for.
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* x = base + t * row;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
         rotate_head(x + h * head_dim, cos_p + t * head_dim, sin_p + t * head_dim, head_dim);
-      const float* keys = x + num_heads * head_dim;
-      std::memcpy(k_cache + slots[t] * kv_row, keys, kv_row * sizeof(float));
-      std::memcpy(v_cache + slots[t] * kv_row, keys + kv_row, kv_row * sizeof(float));
+      float* keys = x + num_heads * head_dim;
+      if (half_cache) {
+        store_rounded(keys, static_cast<at::Half*>(k_cache) + slots[t] * kv_row, kv_row);
+        store_rounded(keys + kv_row, static_cast<at::Half*>(v_cache) + slots[t] * kv_row, kv_row);
+      } else {
+        std::memcpy(static_cast<float*>(k_cache) + slots[t] * kv_row, keys, kv_row * 4);
+        std::memcpy(static_cast<float*>(v_cache) + slots[t] * kv_row, keys + kv_row, kv_row * 4);
+      }
     }
   });
 }

@@ -7,7 +7,10 @@ blocks the window reaches (model/cache_groups.py): entries before the window may
 null block or a block given back (since reused), which the decode kernel never reads and the
 prompt paths read masked.
 
-Each layer's cache is a pair of [num_blocks, block_size, kv_heads, head_dim] tensors. Decodes
+Each layer's cache is a pair of [num_blocks, block_size, kv_heads, head_dim] tensors, in the
+model's dtype or, with `kv_cache_dtype="float16"`, in float16 (half the memory and the bytes a
+decode streams; llama.cpp's default cache type): keys and values are then rounded once, as they
+are written, and the step's own attention uses the rounded values too. Decodes
 and continued prompt chunks use pipellm's own kernels, which read the cache in place through
 the block tables (pipellm/kernels/), where they are built; otherwise reads copy whole blocks
 (index_select on the block dimension): one contiguous block_size * kv_heads * head_dim run
@@ -21,7 +24,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pipellm.kernels.cpu_kernels import DECODE_ATTENTION_HEAD_DIMS, kernels_apply, ops
+from pipellm.kernels.cpu_kernels import (
+    DECODE_ATTENTION_HEAD_DIMS,
+    KERNEL_CACHE_DTYPES,
+    kernels_apply,
+    ops,
+)
 from pipellm.model.forward_batch import ForwardBatch
 from pipellm.model.rope import apply_rotary
 
@@ -40,27 +48,33 @@ def rotate_and_cache(
 
     pipellm's kernel does it in one pass, in place, with the same rounding as the PyTorch ops
     below (one rotary call for the query and key heads together: they share the positions).
+    A cache of a narrower dtype gets k and v rounded to it, and so do the returned k and v.
     """
     sizes = [num_heads, num_kv_heads, num_kv_heads]
-    if kernels_apply(qkv) and qkv.is_contiguous():
+    if kernels_apply(qkv) and qkv.is_contiguous() and k_cache.dtype in KERNEL_CACHE_DTYPES:
         ops().rotary_and_cache_(
             qkv, *cos_sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
         )
         return qkv.split(sizes, dim=1)
     q, k = apply_rotary(qkv[:, : num_heads + num_kv_heads], *cos_sin).split(sizes[:2], dim=1)
     v = qkv[:, num_heads + num_kv_heads :]
+    if k_cache.dtype != k.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     head_dim = qkv.shape[-1]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-    return q, k, v
+    return q, k.to(q.dtype), v.to(q.dtype)
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def gather_blocks(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """cache: [num_blocks, block_size, Hkv, D]; block_tables: [..., n]. Returns
-    [..., n * block_size, Hkv, D]: the keys (or values) of those blocks, in order."""
+    [..., n * block_size, Hkv, D]: the keys (or values) of those blocks, in order, in `dtype`
+    (default the cache's)."""
     num_blocks, block_size, num_heads, head_dim = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_tables.reshape(-1))
-    return rows.view(*block_tables.shape[:-1], -1, num_heads, head_dim)
+    return rows.view(*block_tables.shape[:-1], -1, num_heads, head_dim).to(dtype or cache.dtype)
 
 
 @functools.cache
@@ -101,7 +115,8 @@ def paged_attention(
         return x if group_starts is None else x.index_select(dim, kv_head_of_query(group_starts))
 
     nd = batch.num_decodes
-    if nd and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS and kernels_apply(q):
+    cache_on_kernels = k_cache.dtype in KERNEL_CACHE_DTYPES
+    if nd and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS and kernels_apply(q) and cache_on_kernels:
         ops().paged_decode_attention(
             out[:nd],
             q[:nd],
@@ -121,8 +136,8 @@ def paged_attention(
             mask = mask & (torch.arange(mask.shape[-1]) >= first)
         out[:nd] = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2),  # [D, H, 1, Dh]
-            per_query_head(gather_blocks(k_cache, tables).transpose(1, 2), 1),  # [D, Hkv, L, Dh]
-            per_query_head(gather_blocks(v_cache, tables).transpose(1, 2), 1),
+            per_query_head(gather_blocks(k_cache, tables, q.dtype).transpose(1, 2), 1),
+            per_query_head(gather_blocks(v_cache, tables, q.dtype).transpose(1, 2), 1),
             attn_mask=mask,
             scale=scale,
             enable_gqa=gqa and group_starts is None,
@@ -133,7 +148,7 @@ def paged_attention(
         # that continues a prompt reads its cached context through its block table, in place:
         # gathering the whole context per chunk was an extra copy that grew with the prompt.
         paged = chunk.block_table is not None
-        if q.shape[-1] % 16 == 0 and kernels_apply(q) and (not paged or k_cache.dtype == q.dtype):
+        if q.shape[-1] % 16 == 0 and kernels_apply(q) and (not paged or cache_on_kernels):
             if not paged:
                 ops().prefill_attention(out[rows], q[rows], k[rows], v[rows], scale, starts, window)
             else:
@@ -154,8 +169,8 @@ def paged_attention(
             keys, values, mask = k[rows], v[rows], None
         else:
             context_len = chunk.mask.shape[1]
-            keys = gather_blocks(k_cache, chunk.block_table)[:context_len]
-            values = gather_blocks(v_cache, chunk.block_table)[:context_len]
+            keys = gather_blocks(k_cache, chunk.block_table, q.dtype)[:context_len]
+            values = gather_blocks(v_cache, chunk.block_table, q.dtype)[:context_len]
             mask = chunk.mask
         if window:
             in_window = window_mask(chunk.length, keys.shape[0], window)
