@@ -8,12 +8,20 @@ import logging
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf_blocks import random_blocks
 
 from pipellm.kernels import cpu_kernels
-from pipellm.model.gguf_linear import KERNEL_KINDS, pack_int8_weight, pack_quantized_weight
+from pipellm.model.gguf_linear import (
+    EXACT_KERNEL_KINDS,
+    KERNEL_KINDS,
+    QuantizedWeight,
+    pack_int8_weight,
+    pack_quantized_weight,
+)
 from tests.test_decode_attention_kernel import random_paged_cache
 from tests.test_quantized_linear import quantized
 
+T = GGMLQuantizationType
 LEVELS = cpu_kernels.supported_levels() if cpu_kernels.why_unavailable() is None else []
 needs_kernels = pytest.mark.skipif(not LEVELS, reason="CPU kernels unavailable here")
 
@@ -78,6 +86,13 @@ def test_gemms_bit_identical_across_levels(rows):
         kind: quantized(kind, 72, 608, seed=rows)[0]
         for kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
     }
+    # Q5_0 and the K-quants (random blocks in the file's layout; 512 deep: two 256-value
+    # blocks), which the VNNI kernel takes too (but Q6_K).
+    x_k = torch.randn(rows, 512, generator=generator)
+    k_weights = {
+        kind: QuantizedWeight(kind, torch.from_numpy(random_blocks(kind, 72, 512, seed=rows)))
+        for kind in (T.Q5_0, T.Q4_K, T.Q6_K)
+    }
 
     def run(ops):
         outs = [ops.packed_linear(x, packed, bias, 72), ops.packed_linear(x, packed, None, 72)]
@@ -89,6 +104,14 @@ def test_gemms_bit_identical_across_levels(rows):
             outs.append(
                 ops.quantized_linear_int8(x, pack_int8_weight(weight), KERNEL_KINDS[kind], bias, 72)
             )
+        for kind, weight in k_weights.items():
+            kernel_kind = EXACT_KERNEL_KINDS[kind]
+            outs.append(
+                ops.quantized_linear(x_k, pack_quantized_weight(weight), kernel_kind, bias, 72)
+            )
+            packed_int8 = pack_int8_weight(weight)
+            outs.append(ops.quantized_linear_int8(x_k, packed_int8, kernel_kind, bias, 72))
+            outs.append(ops.quantized_linear_int8(x_k, packed_int8, kernel_kind, None, 72))
         return outs
 
     same_on_every_level(run)

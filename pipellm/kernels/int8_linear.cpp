@@ -41,7 +41,6 @@
 //         for vector i the two high bits of byte b's value at bits 2 i (3,360 bytes, as the
 //         exact kernel's record). w = d scale (q - 32): the low nibbles are depths 0-15 of
 //         the block (one sub-block, one scale), the high nibbles depths 16-31 (the next).
-//   Only the AVX2 kernel takes Q5_0, Q4_K and Q6_K (the VNNI CPUs run that kernel for them).
 // The AVX2 kernel reads each 64-byte vector as two halves of 8 columns. Compiled into every
 // level's library; the VNNI kernel only into the AVX-512 one, with the VNNI instructions enabled
 // per function (an AVX-512 CPU without VNNI runs the AVX2 kernel there).
@@ -98,6 +97,7 @@ struct QuantizedRows {
   const float* scale;    // [m, blocks]: dx
   const int32_t* sum;    // [m, blocks]: sum(qx)
   const float* sum_dx;   // [m, blocks]: dx * sum(qx), Q4_1's and Q4_K's min term
+  const int32_t* half_sum;  // [m, blocks, 2]: sum(qx) over each 16 values (Q6_K's sub-blocks)
 };
 
 // Kept per calling thread and reused: four tensor allocations a call add up at decode, where
@@ -105,7 +105,7 @@ struct QuantizedRows {
 struct RowsBuffer {
   std::vector<int8_t> q;
   std::vector<float> scale, sum_dx;
-  std::vector<int32_t> sum;
+  std::vector<int32_t> sum, half_sum;
 };
 
 // x rounded as llama.cpp rounds it for the weight's type (activation_rounding.h).
@@ -123,10 +123,12 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth, Rounding r
   buffer.scale.resize(m * blocks);
   buffer.sum.resize(m * blocks);
   buffer.sum_dx.resize(m * blocks);
+  buffer.half_sum.resize(m * blocks * 2);
   int8_t* q = buffer.q.data();
   float* scale = buffer.scale.data();
   int32_t* sum = buffer.sum.data();
   float* sum_dx = buffer.sum_dx.data();
+  int32_t* half_sum = buffer.half_sum.data();
   // Rows are contiguous and depth a multiple of the group: group g is blocks g group.. of x.
   at::parallel_for(0, m * blocks / group, 64 / group, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
@@ -134,7 +136,7 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth, Rounding r
       const GroupScale gs = pipellm_kernels::group_scale(amax, rounding);
       const float dx = pipellm_kernels::block_dx(gs, rounding);
       for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-        int32_t halves[2];
+        int32_t* halves = half_sum + 2 * i;
         pipellm_kernels::round_block(x + i * kBlock, gs.inverse, q + i * kBlock, halves);
         sum[i] = halves[0] + halves[1];
         scale[i] = dx;
@@ -142,7 +144,7 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t depth, Rounding r
       }
     }
   });
-  return {q, scale, sum, sum_dx};
+  return {q, scale, sum, sum_dx, half_sum};
 }
 
 inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* end) {
@@ -165,17 +167,23 @@ using Int8BlockFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, int6
 
 // Rows [r0, r0 + R) times panels [p0, p0 + NP), whole depth. Weights are unpacked once per
 // group of 4 depths and used by every row; each (row, panel) keeps an int32 sum per block,
-// folded into its float32 output with the block's scales.
+// folded into its float32 output with the block's scales, by the AVX2 kernel's operations per
+// column (so both give the same bits). Q5_0's fifth bits become byte masks (AVX-512BW): the
+// 5-bit q = nibble | 16 where the mask is set. Q6_K's q = nibble | two high bits << 4 is in
+// [0, 63]; each 16-deep sub-block (one scale) keeps its own sum, started at -32 sum(qx) over
+// its 16 values: sum((q - 32) qx).
 template <int64_t Kind, int R, int NP>
 PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t* wp,
                              int64_t panel_bytes, int64_t p0, int64_t blocks,
                              const PanelOutput& y, const uint8_t* end) {
-  constexpr int64_t kBytes = Kind == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  constexpr int64_t kBytes = bytes_of(Kind);
+  constexpr bool kNibbles = Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ5_0;
   const int64_t depth = blocks * kBlock;
   const int8_t* q = xq.q + r0 * depth;
   const float* scale = xq.scale + r0 * blocks;
   const int32_t* sum = xq.sum + r0 * blocks;
   const float* sum_dx = xq.sum_dx + r0 * blocks;
+  const int32_t* half_sum = xq.half_sum + r0 * blocks * 2;
   __m512 acc[R][NP];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -184,31 +192,117 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       const float* bias = y.bias(p0 + p);
       acc[r][p] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     }
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec[NP];
+    const uint8_t* lanes[NP];  // the block's 4 x 64 bytes of nibble lanes (or Q8_0's 8 x 64)
     __m512i dot[R][NP];
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
-      rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
-      prefetch_ahead(rec[p], kBytes, end);
+      if constexpr (Kind == kQ4_K) {  // rec: the 256-deep record's header
+        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
+        lanes[p] = rec[p] + kQ4_KHeader + b % 8 * 256;
+        if (b % 8 == 0) prefetch_ahead(rec[p], kQ4_KHeader, end);
+        prefetch_ahead(lanes[p], 256, end);
+      } else if constexpr (Kind == kQ6_K) {
+        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
+        lanes[p] = rec[p] + kQ6_KHeader + b % 8 * kQ6_KBlockBytes;
+        if (b % 8 == 0) prefetch_ahead(rec[p], kQ6_KHeader, end);
+        prefetch_ahead(lanes[p], kQ6_KBlockBytes, end);
+      } else {
+        rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
+        lanes[p] = rec[p] + (Kind == kQ4_1 ? 64 : 32);
+        prefetch_ahead(rec[p], kBytes, end);
+      }
     }
+    // Q8_0's quants are stored + 128 and Q5_0's are q + 16: start from -128 sum(qx) (or
+    // -16 sum(qx)) to take the offset back out.
+    constexpr int32_t kOffset = Kind == kQ8_0 ? 128 : Kind == kQ5_0 ? 16 : 0;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-        // Q8_0's quants are stored + 128: start from -128 sum(qx) to take it back out.
-        dot[r][p] = Kind == kQ4_1 ? _mm512_setzero_si512()
-                                  : _mm512_set1_epi32(-128 * sum[r * blocks + b]);
+      for (int p = 0; p < NP; ++p) dot[r][p] = _mm512_set1_epi32(-kOffset * sum[r * blocks + b]);
     const int8_t* qb = q + b * kBlock;
-    if constexpr (Kind == kQ4_1) {
+    if constexpr (Kind == kQ6_K) {
+      __m512i sub_dot[R][NP][2];  // [n]: the low nibbles' sub-block, then the high ones'
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int n = 0; n < 2; ++n)
+            sub_dot[r][p][n] = _mm512_set1_epi32(-32 * half_sum[r * blocks * 2 + 2 * b + n]);
+      const __m512i high_mask = _mm512_set1_epi8(0x30);
+      // High bits of nibble n: half 0's 32 bytes at 256 + 32 n, half 1's at 320 + 32 n.
+      __m512i high[NP][2];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p)
+        for (int n = 0; n < 2; ++n)
+          high[p][n] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[p] + 256 + 32 * n))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[p] + 320 + 32 * n)), 1);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        // vector i's two high bits (at bits 2 i) to bits 4-5
+        auto high_of = [&](__m512i v) {
+          const __m512i moved =
+              i < 2 ? _mm512_slli_epi16(v, 4 - 2 * i) : _mm512_srli_epi16(v, 2 * i - 4);
+          return _mm512_and_si512(moved, high_mask);
+        };
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) {
+          const __m512i packed = _mm512_loadu_si512(lanes[p] + 64 * i);
+          const __m512i lo = _mm512_or_si512(_mm512_and_si512(packed, low), high_of(high[p][0]));
+          const __m512i hi = _mm512_or_si512(
+              _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), high_of(high[p][1]));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xr = qb + r * depth;
+            int32_t x_lo, x_hi;
+            __builtin_memcpy(&x_lo, xr + 4 * i, 4);
+            __builtin_memcpy(&x_hi, xr + 16 + 4 * i, 4);
+            sub_dot[r][p][0] = _mm512_dpbusd_epi32(sub_dot[r][p][0], lo, _mm512_set1_epi32(x_lo));
+            sub_dot[r][p][1] = _mm512_dpbusd_epi32(sub_dot[r][p][1], hi, _mm512_set1_epi32(x_hi));
+          }
+        }
+      }
+      // Each sub-block's int32 sums times its scale, d and dx, as the AVX2 kernel folds them.
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const __m512 d =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p])));
+        const uint8_t* scales = rec[p] + kPanel * 2 + 2 * (b % 8) * kPanel;
+        __m512 sub_scale[2];
+        for (int n = 0; n < 2; ++n)
+          sub_scale[n] = _mm512_mul_ps(
+              d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + n * kPanel)))));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512 dx = _mm512_set1_ps(scale[r * blocks + b]);
+          for (int n = 0; n < 2; ++n)
+            acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sub_dot[r][p][n]),
+                                        _mm512_mul_ps(sub_scale[n], dx), acc[r][p]);
+        }
+      }
+      continue;  // folded: the other types' fold below does not apply
+    } else if constexpr (kNibbles) {
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p) {
-          const __m512i packed = _mm512_loadu_si512(rec[p] + 64 + 64 * i);
-          const __m512i lo = _mm512_and_si512(packed, low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+          const __m512i packed = _mm512_loadu_si512(lanes[p] + 64 * i);
+          __m512i lo = _mm512_and_si512(packed, low);
+          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+          if constexpr (Kind == kQ5_0) {
+            // Words at 16 i + 8 h + 4 n: half h's (bytes 32 h..) fifth bits of nibble n.
+            uint32_t words[4];
+            __builtin_memcpy(words, rec[p] + 32 + 256 + 16 * i, 16);
+            const __mmask64 lo_bits = words[0] | static_cast<uint64_t>(words[2]) << 32;
+            const __mmask64 hi_bits = words[1] | static_cast<uint64_t>(words[3]) << 32;
+            lo = _mm512_mask_blend_epi8(lo_bits, lo, _mm512_or_si512(lo, sixteen));
+            hi = _mm512_mask_blend_epi8(hi_bits, hi, _mm512_or_si512(hi, sixteen));
+          }
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const int8_t* xr = qb + r * depth;
@@ -225,7 +319,7 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       for (int g = 0; g < 8; ++g) {
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p) {
-          const __m512i w = _mm512_loadu_si512(rec[p] + 32 + 64 * g);
+          const __m512i w = _mm512_loadu_si512(lanes[p] + 64 * g);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             int32_t xg;
@@ -237,15 +331,29 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
     }
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p])));
+      auto halves16 = [](const uint8_t* at) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      };
+      __m512 d = halves16(rec[p]);
       __m512 mins = _mm512_setzero_ps();
-      if constexpr (Kind == kQ4_1)
-        mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p] + 32)));
+      if constexpr (Kind == kQ4_1) mins = halves16(rec[p] + 32);
+      if constexpr (Kind == kQ4_K) {  // the sub-block's d scale and -(dmin min)
+        const uint8_t* sub = rec[p] + 64 + b % 8 * kPanel;
+        auto widen = [](const uint8_t* bytes) {
+          return _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+        };
+        d = _mm512_mul_ps(d, widen(sub));
+        const __m512 minus_dmin = _mm512_castsi512_ps(
+            _mm512_xor_si512(_mm512_castps_si512(halves16(rec[p] + 32)),
+                             _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+        mins = _mm512_mul_ps(minus_dmin, widen(sub + 8 * kPanel));
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(scale[r * blocks + b]));
         acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][p]), ddx, acc[r][p]);
-        if constexpr (Kind == kQ4_1)
+        if constexpr (Kind == kQ4_1 || Kind == kQ4_K)
           acc[r][p] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sum_dx[r * blocks + b]), acc[r][p]);
       }
     }
@@ -581,8 +689,8 @@ at::Tensor pipellm_ops::quantized_linear_int8(const at::Tensor& input, const at:
 #endif
   TORCH_CHECK(kind >= kQ4_1 && kind <= kQ4_K, "quantized_linear_int8: kind 0 (Q4_1), 1 (Q8_0), ",
               "2 (Q5_0), 3 (Q6_K) or 4 (Q4_K), not ", kind);
-  // The VNNI kernel has only Q4_1 and Q8_0: the AVX2 one computes the same sums.
-  const bool vnni = use_vnni && (kind == kQ4_1 || kind == kQ8_0);
+  // Either kernel computes the same sums (the AVX2 one runs where there is no VNNI).
+  const bool vnni = use_vnni;
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear_int8: x must be a 2-D float32 CPU tensor");
   const int64_t bytes = bytes_of(kind);
@@ -617,8 +725,11 @@ at::Tensor pipellm_ops::quantized_linear_int8(const at::Tensor& input, const at:
                                            : int8_block_avx2_for<kQ4_K>(rows, n);
 #if defined(__AVX512F__)
           if (vnni)
-            fn = kind == kQ4_1 ? kInt8Block<kQ4_1>[rows - 1][n - 1]
-                               : kInt8Block<kQ8_0>[rows - 1][n - 1];
+            fn = kind == kQ4_1   ? kInt8Block<kQ4_1>[rows - 1][n - 1]
+                 : kind == kQ8_0 ? kInt8Block<kQ8_0>[rows - 1][n - 1]
+                 : kind == kQ5_0 ? kInt8Block<kQ5_0>[rows - 1][n - 1]
+                 : kind == kQ6_K ? kInt8Block<kQ6_K>[rows - 1][n - 1]
+                                 : kInt8Block<kQ4_K>[rows - 1][n - 1];
 #endif
           fn(xq, r, wp, panel_bytes, p, blocks, y, end);
           r += rows;
