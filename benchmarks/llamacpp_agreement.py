@@ -120,6 +120,12 @@ def main() -> None:
         help="the pipellm quantization settings to compare (default: both)",
     )
     parser.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        default=["auto"],
+        help="the KV-cache dtypes to run each setting with (auto: the engine's default)",
+    )
+    parser.add_argument(
         "--save-reference",
         help="write llama.cpp's continuations (JSON) here, to reuse with --reference",
     )
@@ -144,8 +150,10 @@ def main() -> None:
     read = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     prompts: list[list[int]] | None = None
     reference: list[list[int]] = []
-    for setting in args.settings:
-        with LLM(args.model, quantization=setting, enable_prefix_caching=False) as llm:
+    runs = [(setting, kv) for setting in args.settings for kv in args.kv_cache_dtypes]
+    for setting, kv_cache_dtype in runs:
+        engine_args = {"quantization": setting, "kv_cache_dtype": kv_cache_dtype}
+        with LLM(args.model, enable_prefix_caching=False, **engine_args) as llm:
             if prompts is None:
                 prompts = [llm.tokenizer.encode(text) for text in texts_in]
                 reference = reference_continuations(args, prompts)
@@ -168,7 +176,8 @@ def main() -> None:
             firsts.append(differ[0] if differ else len(continuation))
         identical = sum(first == args.tokens for first in firsts)
         print(
-            f"{setting:10s} teacher-forced top-1 = llama.cpp's: {same}/{positions} = "
+            f"{setting:10s} kv {kv_cache_dtype:8s} teacher-forced top-1 = llama.cpp's: "
+            f"{same}/{positions} = "
             f"{same / positions:.2%}; free-running: {identical}/{len(prompts)} continuations "
             f"identical, first differing token at median {statistics.median(firsts):.0f}"
         )

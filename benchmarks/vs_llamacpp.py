@@ -17,10 +17,11 @@ uses by default. Every measurement is a fresh process, and the engines take turn
   prefilled in its own sequence (up to n_batch = 2048 tokens a llama_decode), then one
   llama_decode per step carrying every sequence's next token.
 
-Configurations: `pipellm` (its kernels, GGUF weights as stored: the defaults, bit-identical to
-float32), `int8` (pipellm with the opt-in `quantization="gguf_int8"`: activations rounded to int8
-for VNNI dot products, as llama.cpp computes; where the CPU has AVX-512 VNNI), `pytorch` (pipellm
-with PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the prefill
+Configurations: `pipellm` (`pipellm serve FILE`'s defaults), `exact` (GGUF weights as stored,
+bit-identical to float32, float32 KV cache), `int8` (the opt-in `quantization="gguf_int8"`:
+activations rounded to int8 for integer dot products, as llama.cpp computes), `int8-f16kv`
+(`int8` with `kv_cache_dtype="float16"`, llama.cpp's cache type), `pytorch` (pipellm with
+PIPELLM_CPU_KERNELS=0: its PyTorch path, float32 weights; one sequence only, the prefill
 reference), `int8-unfused` (`int8` with PIPELLM_DECODE_FAST_PATH=0: the decode step's layers
 on the Python path, to show what the fused decode path gives) and `llamacpp`. `--configs` runs
 a subset (llamacpp is always in: the ratios are against it). Ratios are llama.cpp's time over
@@ -57,16 +58,26 @@ import numpy as np
 
 PROMPT_LEN, BATCH, BATCH_NEW_TOKENS = 256, 16, 64
 CHAT_PROMPT_LEN, CHAT_NEW_TOKENS = 32, 128
-# name -> (engine, extra environment, pipellm's quantization setting); the llama.cpp child
-# runs in --llamacpp-python.
+# name -> (engine, extra environment, pipellm's settings); the llama.cpp child runs in
+# --llamacpp-python.
 _KERNELS = {"PIPELLM_CPU_KERNELS": "1", "PIPELLM_DECODE_FAST_PATH": "1"}
-CONFIGS = {
-    "pipellm": ("pipellm", _KERNELS, "gguf"),
-    "int8": ("pipellm", _KERNELS, "gguf_int8"),
+CONFIGS: dict[str, tuple[str, dict[str, str], dict[str, str]]] = {
+    "pipellm": ("pipellm", _KERNELS, {}),
+    "exact": ("pipellm", _KERNELS, {"quantization": "gguf", "kv_cache_dtype": "float32"}),
+    "int8": ("pipellm", _KERNELS, {"quantization": "gguf_int8", "kv_cache_dtype": "float32"}),
+    "int8-f16kv": (
+        "pipellm",
+        _KERNELS,
+        {"quantization": "gguf_int8", "kv_cache_dtype": "float16"},
+    ),
     # int8 without the fused decode path (model/decode_fast_path.py): what it gives.
-    "int8-unfused": ("pipellm", {**_KERNELS, "PIPELLM_DECODE_FAST_PATH": "0"}, "gguf_int8"),
-    "pytorch": ("pipellm", {"PIPELLM_CPU_KERNELS": "0"}, "none"),
-    "llamacpp": ("llamacpp", {}, None),
+    "int8-unfused": (
+        "pipellm",
+        {**_KERNELS, "PIPELLM_DECODE_FAST_PATH": "0"},
+        {"quantization": "gguf_int8", "kv_cache_dtype": "float32"},
+    ),
+    "pytorch": ("pipellm", {"PIPELLM_CPU_KERNELS": "0"}, {"quantization": "none"}),
+    "llamacpp": ("llamacpp", {}, {}),
 }
 
 
@@ -83,7 +94,7 @@ def pipellm_child(args: argparse.Namespace) -> dict[str, float]:
 
     from pipellm import LLM, SamplingParams
 
-    llm = LLM(args.model, enable_prefix_caching=False, quantization=CONFIGS[args.child][2])
+    llm = LLM(args.model, enable_prefix_caching=False, **CONFIGS[args.child][2])
     torch.set_num_threads(args.threads)  # after LLM(), which sets its own count
 
     def run(batch: list[list[int]], max_tokens: int) -> float:
