@@ -154,6 +154,25 @@ inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* 
     _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
 }
 
+// 32-deep block b of a panel: its record (for the K-quants the 256-deep record's header) and
+// the block's quant lanes (nibbles, or Q8_0's bytes), prefetched ahead.
+template <int64_t Kind>
+inline void locate_block(const uint8_t* panel, int64_t b, const uint8_t* end,
+                         const uint8_t*& record, const uint8_t*& lanes) {
+  if constexpr (Kind == kQ4_K || Kind == kQ6_K) {
+    constexpr int64_t header = Kind == kQ4_K ? kQ4_KHeader : kQ6_KHeader;
+    constexpr int64_t block_bytes = Kind == kQ4_K ? 256 : kQ6_KBlockBytes;
+    record = panel + b / 8 * bytes_of(Kind);
+    lanes = record + header + b % 8 * block_bytes;
+    if (b % 8 == 0) prefetch_ahead(record, header, end);
+    prefetch_ahead(lanes, block_bytes, end);
+  } else {
+    record = panel + b * bytes_of(Kind);
+    lanes = record + (Kind == kQ4_1 ? 64 : 32);
+    prefetch_ahead(record, bytes_of(Kind), end);
+  }
+}
+
 // Rows a VNNI register block takes at most. Panels at once: 4 at one or two rows, where several
 // panels give the core independent chains of vpdpbusd (5 cycles of latency each), else 2.
 constexpr int kMaxRows = 4;
@@ -176,7 +195,6 @@ template <int64_t Kind, int R, int NP>
 PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t* wp,
                              int64_t panel_bytes, int64_t p0, int64_t blocks,
                              const PanelOutput& y, const uint8_t* end) {
-  constexpr int64_t kBytes = bytes_of(Kind);
   constexpr bool kNibbles = Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ5_0;
   const int64_t depth = blocks * kBlock;
   const int8_t* q = xq.q + r0 * depth;
@@ -198,23 +216,8 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
     const uint8_t* lanes[NP];  // the block's 4 x 64 bytes of nibble lanes (or Q8_0's 8 x 64)
     __m512i dot[R][NP];
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      if constexpr (Kind == kQ4_K) {  // rec: the 256-deep record's header
-        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
-        lanes[p] = rec[p] + kQ4_KHeader + b % 8 * 256;
-        if (b % 8 == 0) prefetch_ahead(rec[p], kQ4_KHeader, end);
-        prefetch_ahead(lanes[p], 256, end);
-      } else if constexpr (Kind == kQ6_K) {
-        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
-        lanes[p] = rec[p] + kQ6_KHeader + b % 8 * kQ6_KBlockBytes;
-        if (b % 8 == 0) prefetch_ahead(rec[p], kQ6_KHeader, end);
-        prefetch_ahead(lanes[p], kQ6_KBlockBytes, end);
-      } else {
-        rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
-        lanes[p] = rec[p] + (Kind == kQ4_1 ? 64 : 32);
-        prefetch_ahead(rec[p], kBytes, end);
-      }
-    }
+    for (int p = 0; p < NP; ++p)
+      locate_block<Kind>(wp + (p0 + p) * panel_bytes, b, end, rec[p], lanes[p]);
     // Q8_0's quants are stored + 128 and Q5_0's are q + 16: start from -128 sum(qx) (or
     // -16 sum(qx)) to take the offset back out.
     constexpr int32_t kOffset = Kind == kQ8_0 ? 128 : Kind == kQ5_0 ? 16 : 0;
@@ -404,7 +407,6 @@ inline __m256i sixteens(const uint8_t* p) {
 template <int64_t Kind, int R, int NP>
 void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int64_t panel_bytes,
                      int64_t p0, int64_t blocks, const PanelOutput& y, const uint8_t* end) {
-  constexpr int64_t kBytes = bytes_of(Kind);
   const int64_t depth = blocks * kBlock;
   const int8_t* q = xq.q + r0 * depth;
   const float* scale = xq.scale + r0 * blocks;
@@ -422,26 +424,11 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec[NP];
-    const uint8_t* nibbles[NP];  // Q4_1, Q4_K: the block's 4 x 64 bytes of nibble lanes
+    const uint8_t* nibbles[NP];  // the block's quant lanes (Q4_1, Q4_K, Q6_K read them here)
     __m256i dot[R][NP][2];
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      if constexpr (Kind == kQ4_K) {  // rec: the 256-deep record's header
-        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
-        nibbles[p] = rec[p] + kQ4_KHeader + b % 8 * 256;
-        if (b % 8 == 0) prefetch_ahead(rec[p], kQ4_KHeader, end);
-        prefetch_ahead(nibbles[p], 256, end);
-      } else if constexpr (Kind == kQ6_K) {
-        rec[p] = wp + (p0 + p) * panel_bytes + b / 8 * kBytes;
-        nibbles[p] = rec[p] + kQ6_KHeader + b % 8 * kQ6_KBlockBytes;
-        if (b % 8 == 0) prefetch_ahead(rec[p], kQ6_KHeader, end);
-        prefetch_ahead(nibbles[p], kQ6_KBlockBytes, end);
-      } else {
-        rec[p] = wp + (p0 + p) * panel_bytes + b * kBytes;
-        nibbles[p] = rec[p] + 64;
-        prefetch_ahead(rec[p], kBytes, end);
-      }
-    }
+    for (int p = 0; p < NP; ++p)
+      locate_block<Kind>(wp + (p0 + p) * panel_bytes, b, end, rec[p], nibbles[p]);
     const int8_t* qb = q + b * kBlock;
     if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
       __m256i pairs[R][NP][2];
