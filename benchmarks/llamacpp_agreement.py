@@ -151,6 +151,7 @@ def main() -> None:
     prompts: list[list[int]] | None = None
     reference: list[list[int]] = []
     runs = [(setting, kv) for setting in args.settings for kv in args.kv_cache_dtypes]
+    hits_by_run: dict[tuple[str, str], list[bool]] = {}
     for setting, kv_cache_dtype in runs:
         engine_args = {"quantization": setting, "kv_cache_dtype": kv_cache_dtype}
         with LLM(args.model, enable_prefix_caching=False, **engine_args) as llm:
@@ -160,12 +161,13 @@ def main() -> None:
             texts = [p + c for p, c in zip(prompts, reference, strict=True)]
             outputs = llm.generate(texts, read, use_tqdm=False)
             own = llm.generate(prompts, greedy, use_tqdm=False)
-        same = positions = 0
+        hits: list[bool] = []  # per continuation position: pipellm's top-1 is llama.cpp's
         for prompt, continuation, out in zip(prompts, reference, outputs, strict=True):
             # prompt_logprobs[j]: position j's top tokens given the tokens before it
             tops = [entry[1][0][0] for entry in out.prompt_logprobs[len(prompt) :]]
-            same += sum(a == b for a, b in zip(tops, continuation, strict=True))
-            positions += len(continuation)
+            hits += [a == b for a, b in zip(tops, continuation, strict=True)]
+        hits_by_run[(setting, kv_cache_dtype)] = hits
+        same, positions = sum(hits), len(hits)
         firsts = []
         for continuation, run in zip(reference, own, strict=True):
             differ = [
@@ -181,6 +183,25 @@ def main() -> None:
             f"{same / positions:.2%}; free-running: {identical}/{len(prompts)} continuations "
             f"identical, first differing token at median {statistics.median(firsts):.0f}"
         )
+    print_discordant(hits_by_run)
+
+
+def print_discordant(hits_by_run: dict[tuple[str, str], list[bool]]) -> None:
+    """For each pair of runs, the positions where exactly one of them agrees with llama.cpp:
+    how far apart their agreement counts are, against how many positions decide it. McNemar's
+    test on those positions: |b - c| / sqrt(b + c) under about 2 is within chance."""
+    runs = list(hits_by_run)
+    for i, first in enumerate(runs):
+        for second in runs[i + 1 :]:
+            pairs = list(zip(hits_by_run[first], hits_by_run[second], strict=True))
+            only_first = sum(a and not b for a, b in pairs)
+            only_second = sum(b and not a for a, b in pairs)
+            decided = only_first + only_second
+            z = (only_first - only_second) / decided**0.5 if decided else 0.0
+            print(
+                f"{' '.join(first)} vs {' '.join(second)}: agrees alone at {only_first} "
+                f"positions against {only_second} (McNemar z = {z:+.2f})"
+            )
 
 
 if __name__ == "__main__":
