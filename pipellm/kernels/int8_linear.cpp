@@ -184,6 +184,11 @@ using Int8BlockFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, int6
 #if defined(__AVX512F__)
 #define PIPELLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
+// A panel's 16 float16 scales (or mins) at p, widened to float32: exact.
+inline __m512 halves16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Rows [r0, r0 + R) times panels [p0, p0 + NP), whole depth. Weights are unpacked once per
 // group of 4 depths and used by every row; each (row, panel) keeps an int32 sum per block,
 // folded into its float32 output with the block's scales, by the AVX2 kernel's operations per
@@ -272,8 +277,7 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       // Each sub-block's int32 sums times its scale, d and dx, as the AVX2 kernel folds them.
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
-        const __m512 d =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[p])));
+        const __m512 d = halves16(rec[p]);
         const uint8_t* scales = rec[p] + kPanel * 2 + 2 * (b % 8) * kPanel;
         __m512 sub_scale[2];
         for (int n = 0; n < 2; ++n)
@@ -334,9 +338,6 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
     }
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
-      auto halves16 = [](const uint8_t* at) {
-        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-      };
       __m512 d = halves16(rec[p]);
       __m512 mins = _mm512_setzero_ps();
       if constexpr (Kind == kQ4_1) mins = halves16(rec[p] + 32);
@@ -670,14 +671,13 @@ at::Tensor pipellm_ops::quantized_linear_int8(const at::Tensor& input, const at:
                                               int64_t kind, const std::optional<at::Tensor>& bias,
                                               int64_t out_features) {
 #if defined(__AVX512F__)
-  static const bool use_vnni = cpu_has_vnni();
+  // Either kernel computes the same sums (the AVX2 one runs where there is no VNNI).
+  static const bool vnni = cpu_has_vnni();
 #else
-  constexpr bool use_vnni = false;
+  constexpr bool vnni = false;
 #endif
   TORCH_CHECK(kind >= kQ4_1 && kind <= kQ4_K, "quantized_linear_int8: kind 0 (Q4_1), 1 (Q8_0), ",
               "2 (Q5_0), 3 (Q6_K) or 4 (Q4_K), not ", kind);
-  // Either kernel computes the same sums (the AVX2 one runs where there is no VNNI).
-  const bool vnni = use_vnni;
   TORCH_CHECK(input.scalar_type() == at::kFloat && input.device().is_cpu() && input.dim() == 2,
               "quantized_linear_int8: x must be a 2-D float32 CPU tensor");
   const int64_t bytes = bytes_of(kind);
