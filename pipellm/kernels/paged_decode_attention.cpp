@@ -74,6 +74,20 @@ struct CacheView {
   }
 };
 
+// Tokens a pass takes: up to kChunk, fewer for wide heads, so that a pass's rows stay in L1
+// while every head of the group reads them.
+constexpr int64_t chunk_tokens(int64_t head_dim) {
+  return std::max<int64_t>(8, std::min<int64_t>(kChunk, 4096 / head_dim / 8 * 8));
+}
+
+// Output vectors one pass over a pass's value rows accumulates: the largest divisor of V up to
+// 8 of the 16 AVX2 registers, so that a 256-wide head does not spill its accumulators.
+constexpr int piece_of(int v) {
+  int piece = 8;
+  while (v % piece != 0) --piece;
+  return piece;
+}
+
 // One sequence and KV head: `group` query heads of head_dim 8 * V, attending to cached tokens
 // [begin, len) (begin > 0 for a sliding-window layer). scores: scratch of
 // group * round_up(len - begin, 8) floats.
@@ -81,23 +95,28 @@ template <int V, typename T>
 void attend(const float* query, int64_t query_head_stride, int64_t group,
             const CacheView<T>& keys, const CacheView<T>& values, int64_t begin, int64_t len,
             float scale, float* scores, float* out) {
-  constexpr int64_t D = 8 * V;
+  constexpr int64_t D = 8 * V, chunk = chunk_tokens(D);
   const int64_t count = len - begin, padded = (count + 7) / 8 * 8;
   const T* rows[kChunk];
-  for (int64_t first = begin; first < len; first += kChunk) {
-    const int64_t n = std::min(kChunk, len - first);
+  for (int64_t first = begin; first < len; first += chunk) {
+    const int64_t n = std::min(chunk, len - first);
     keys.rows(first, n, rows);
-    if (first + n < len) keys.prefetch(first + n, std::min(kChunk, len - first - n), D);
+    if (first + n < len) keys.prefetch(first + n, std::min(chunk, len - first - n), D);
     for (int64_t g = 0; g < group; ++g) {
-      __m256 q[V];
-      for (int j = 0; j < V; ++j) q[j] = _mm256_loadu_ps(query + g * query_head_stride + j * 8);
+      const float* qg = query + g * query_head_stride;
       for (int64_t i = 0; i < n; i += 8) {
+        const T* k[8];
+        for (int u = 0; u < 8; ++u) k[u] = rows[std::min<int64_t>(i + u, n - 1)];  // a repeat
+        // The 8 tokens' dot products advance together, one query vector at a time: a wide
+        // head's query (32 vectors at head_dim 256) does not fit the 16 registers, and held
+        // whole it spilled to the stack.
         __m256 dots[8];
-        for (int u = 0; u < 8; ++u) {
-          const T* k = rows[std::min<int64_t>(i + u, n - 1)];  // past the end: a repeat
-          __m256 acc = _mm256_mul_ps(q[0], load8(k));
-          for (int j = 1; j < V; ++j) acc = _mm256_fmadd_ps(q[j], load8(k + j * 8), acc);
-          dots[u] = acc;
+        const __m256 q0 = _mm256_loadu_ps(qg);
+        for (int u = 0; u < 8; ++u) dots[u] = _mm256_mul_ps(q0, load8(k[u]));
+        for (int j = 1; j < V; ++j) {
+          const __m256 qj = _mm256_loadu_ps(qg + j * 8);
+          for (int u = 0; u < 8; ++u)
+            dots[u] = _mm256_fmadd_ps(qj, load8(k[u] + j * 8), dots[u]);
         }
         _mm256_storeu_ps(scores + g * padded + first - begin + i, sum_each(dots));
       }
@@ -107,20 +126,23 @@ void attend(const float* query, int64_t query_head_stride, int64_t group,
     masked_softmax(scores + g * padded, count, padded, scale);
     std::fill(out + g * D, out + (g + 1) * D, 0.0f);
   }
-  for (int64_t first = begin; first < len; first += kChunk) {
-    const int64_t n = std::min(kChunk, len - first);
+  for (int64_t first = begin; first < len; first += chunk) {
+    const int64_t n = std::min(chunk, len - first);
     values.rows(first, n, rows);
-    if (first + n < len) values.prefetch(first + n, std::min(kChunk, len - first - n), D);
+    if (first + n < len) values.prefetch(first + n, std::min(chunk, len - first - n), D);
     for (int64_t g = 0; g < group; ++g) {
-      __m256 acc[V];
-      for (int j = 0; j < V; ++j) acc[j] = _mm256_loadu_ps(out + g * D + j * 8);
       const float* p = scores + g * padded + first - begin;
-      for (int64_t i = 0; i < n; ++i) {
-        const __m256 weight = _mm256_broadcast_ss(p + i);
-        for (int j = 0; j < V; ++j)
-          acc[j] = _mm256_fmadd_ps(weight, load8(rows[i] + j * 8), acc[j]);
+      constexpr int piece = piece_of(V);
+      for (int j0 = 0; j0 < V; j0 += piece) {
+        __m256 acc[piece];
+        for (int j = 0; j < piece; ++j) acc[j] = _mm256_loadu_ps(out + g * D + (j0 + j) * 8);
+        for (int64_t i = 0; i < n; ++i) {
+          const __m256 weight = _mm256_broadcast_ss(p + i);
+          for (int j = 0; j < piece; ++j)
+            acc[j] = _mm256_fmadd_ps(weight, load8(rows[i] + (j0 + j) * 8), acc[j]);
+        }
+        for (int j = 0; j < piece; ++j) _mm256_storeu_ps(out + g * D + (j0 + j) * 8, acc[j]);
       }
-      for (int j = 0; j < V; ++j) _mm256_storeu_ps(out + g * D + j * 8, acc[j]);
     }
   }
 }
