@@ -1,5 +1,5 @@
-"""Fused RMSNorm / add + RMSNorm / SiLU-and-mul: the kernels and the PyTorch fallback both
-match the plain formulas."""
+"""Fused RMSNorm / add + RMSNorm / SiLU-and-mul / GELU-and-mul: the kernels and the PyTorch
+fallback both match the plain formulas."""
 
 import pytest
 import torch
@@ -49,6 +49,47 @@ def test_silu_and_mul(path, rows, width):
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])  # saturated and zero gates
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+# The outputs' sign, NaN and infinity as F.gelu's: at either side of a row's vector part and
+# scalar tail (width 11 = 8 + 3).
+SPECIAL_GATES = [float("inf"), float("-inf"), float("nan"), -1e20, 1e20, -3e38, 0.0, -0.0]
+
+
+def gelu_tolerance(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """How far the kernel may be from F.gelu(gate, "tanh") * up: 1e-6 of the value (the kernel
+    is ~2 ulp from float64 for gate > -1, up to ~|2z| ulp below, where e^-2z magnifies z's
+    rounding), plus 1e-7 |gate up| for F.gelu's own error where 1 + tanh(z) cancels (up to a
+    float32 ulp of 1, so 6e-8 |gate|, in its result; 30% of it at gate -5)."""
+    return 1e-6 * (F.gelu(gate, approximate="tanh") * up).abs() + 1e-7 * (gate * up).abs()
+
+
+@pytest.mark.parametrize("width", [11, 640, 2051])  # 640: Gemma 3 270M's hidden size
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_gelu_tanh_and_mul(path, rows, width):
+    generator = torch.Generator().manual_seed(rows * width)
+    gate_up = torch.randn(rows, 2 * width, generator=generator) * 4
+    gate_up[0, :6] = torch.tensor([-12.0, -9.0, 12.0, 0.0, -4.0, 1e3])  # saturated, zero
+    if rows > 1:
+        gate_up[1, :width] *= 1e3  # large magnitudes; the cubic overflows past ~1e13
+        gate_up[1, width:] = torch.randn(width, generator=generator) * 1e20
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = fused_ops.gelu_tanh_and_mul(gate_up)
+    reference = F.gelu(gate, approximate="tanh") * up
+    assert got.shape == reference.shape
+    excess = (got - reference).abs() - gelu_tolerance(gate, up)
+    assert excess.max() <= 0, f"{excess.max()} past the bound at {divmod(excess.argmax(), width)}"
+
+
+def test_gelu_tanh_and_mul_at_infinities_nan_and_zeros(path):
+    gate = torch.tensor([SPECIAL_GATES[:3] + [1.0] * 5 + SPECIAL_GATES[-3:]])
+    gate = torch.cat([gate, torch.tensor([SPECIAL_GATES[3:] + [1.0] * 3 + SPECIAL_GATES[:3]])])
+    for up in (torch.full_like(gate, 2.0), torch.full_like(gate, -3e30)):
+        got = fused_ops.gelu_tanh_and_mul(torch.cat([gate, up], 1))
+        reference = F.gelu(gate, approximate="tanh") * up
+        torch.testing.assert_close(got, reference, rtol=1e-6, atol=0, equal_nan=True)
+        numbers = ~reference.isnan()
+        assert torch.equal(got.signbit()[numbers], reference.signbit()[numbers])
 
 
 @pytest.mark.parametrize("rows,width", [(1, 49152), (16, 300), (3, 7), (2, 1)])

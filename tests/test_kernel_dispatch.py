@@ -148,6 +148,7 @@ def test_attention_and_fused_ops_bit_identical_across_levels(length):
             normed,
             ops.rms_norm(x, norm_weight, 1e-6),
             ops.silu_and_mul(x),
+            ops.gelu_tanh_and_mul(x * 4),
             rotated,
             *caches,
         ]

@@ -9,8 +9,8 @@
 // (model/llama.py), so the hidden states are bit-identical; the Python path stays the
 // reference and the fallback (prefills, mixed batches, models the kernels do not cover). The
 // kernels are called through their declarations (kernel_ops.h): a changed signature fails to
-// compile here. The steps the Python path leaves to ATen (the q/k per-head norms, GELU) are
-// the same ATen calls here.
+// compile here. The step the Python path leaves to ATen (the q/k per-head norms) makes the
+// same ATen calls here.
 //
 // The family switches (model/model_config.py) are per layer: q/k norms (Qwen3, Gemma 3), the
 // norms after attention and the MLP (Gemma 3's four a layer), the tanh-GELU gate (Gemma), a
@@ -245,13 +245,8 @@ class DecodeLayers : public torch::CustomClassHolder {
   // MLP.forward.
   at::Tensor mlp(const DecodeLayer& layer, const at::Tensor& h) {
     const at::Tensor gate_up = (*layer.gate_up_proj)(h);
-    at::Tensor activated;
-    if (layer.gelu_tanh) {  // fused_ops.gelu_tanh_and_mul
-      const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
-      activated = at::gelu(halves[0], "tanh") * halves[1];
-    } else {
-      activated = pipellm_ops::silu_and_mul(gate_up);
-    }
+    const at::Tensor activated = layer.gelu_tanh ? pipellm_ops::gelu_tanh_and_mul(gate_up)
+                                                 : pipellm_ops::silu_and_mul(gate_up);
     at::Tensor out = (*layer.down_proj)(activated);
     all_reduce(out);  // MLP.forward's
     return out;

@@ -1,7 +1,7 @@
 // The elementwise steps between a layer's GEMMs, fused: RMSNorm (with the residual add before
-// it) and SiLU(gate) * up; and the greedy sampler's argmax over the vocabulary. Each is one pass over memory and one parallel region instead of
-// the 3-6 ATen ops (and as many OpenMP fork/joins) PyTorch's CPU path takes: at decode sizes
-// the ops' fixed costs, not their arithmetic, are what these save.
+// it), SiLU(gate) * up and GELU(gate) * up; and the greedy sampler's argmax over the vocabulary. Each is one pass over memory and one
+// parallel region instead of the 3-6 ATen ops (and as many OpenMP fork/joins) PyTorch's CPU
+// path takes: at decode sizes the ops' fixed costs, not their arithmetic, are what these save.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -44,6 +44,31 @@ void rms_norm_row(const float* x, const float* weight, float eps, int64_t width,
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), scale),
                                             _mm256_loadu_ps(weight + i)));
   for (; i < width; ++i) out[i] = x[i] * inverse * weight[i];
+}
+
+// gate_up: [T, 2 I], gate then up -> [T, I]: activation(gate) * up, 8 columns at a time by
+// `vector`, the rest by `scalar`; both take (gate, up).
+template <typename Vector, typename Scalar>
+at::Tensor activation_and_mul(const at::Tensor& gate_up, const char* name, Vector vector,
+                              Scalar scalar) {
+  check_rows(gate_up, name);
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, name, ": odd width");
+  const int64_t width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
+  const float* in = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, gate_up.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * 2 * width;
+      const float* up = gate + width;
+      float* row = op + r * width;
+      int64_t i = 0;
+      for (; i + 8 <= width; i += 8)
+        _mm256_storeu_ps(row + i, vector(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+      for (; i < width; ++i) row[i] = scalar(gate[i], up[i]);
+    }
+  });
+  return out;
 }
 
 // The index of the first largest value of x[0, width), or of its first NaN, as torch.argmax
@@ -128,30 +153,41 @@ at::Tensor pipellm_ops::add_rms_norm_(const at::Tensor& x, const at::Tensor& res
 
 // gate_up: [T, 2 I], gate then up. Returns [T, I]: silu(gate) * up = gate * up / (1 + e^-gate).
 at::Tensor pipellm_ops::silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_and_mul");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: odd width");
-  const int64_t width = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const __m256 one = _mm256_set1_ps(1.0f);
-  at::parallel_for(0, gate_up.size(0), grain_rows(2 * width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = in + r * 2 * width;
-      const float* up = gate + width;
-      float* row = op + r * width;
-      int64_t i = 0;
-      for (; i + 8 <= width; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
+  return activation_and_mul(
+      gate_up, "silu_and_mul",
+      [&](__m256 g, __m256 u) {
         const __m256 denominator =
             _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-        _mm256_storeu_ps(row + i,
-                         _mm256_div_ps(_mm256_mul_ps(g, _mm256_loadu_ps(up + i)), denominator));
-      }
-      for (; i < width; ++i) row[i] = gate[i] * up[i] / (1.0f + std::exp(-gate[i]));
-    }
-  });
-  return out;
+        return _mm256_div_ps(_mm256_mul_ps(g, u), denominator);
+      },
+      [](float g, float u) { return g * u / (1.0f + std::exp(-g)); });
+}
+
+// gate_up: [T, 2 I], gate then up. Returns [T, I]: gelu(gate) * up with GELU's tanh
+// approximation, 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), computed as the
+// equal g / (1 + e^-2z) * up: no 1 + tanh(z) to cancel where z is very negative, and where
+// e^-2z overflows (g below about -10) g / inf gives the limit, -0, as F.gelu's tanh does.
+at::Tensor pipellm_ops::gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  // -2z = g (-a - b g^2), a = 2 sqrt(2/pi), b = 2 sqrt(2/pi) 0.044715.
+  constexpr float a = 1.5957691216057308f, b = 0.07135481627260025f;
+  // Above 88, where exp_avx2 clamps its input, the denominator is +inf (the scalar tail's
+  // std::exp overflows to it): g / e^-2z is below 1e-38 g there.
+  constexpr float exp_limit = 88.0f;
+  const __m256 minus_a = _mm256_set1_ps(-a), minus_b = _mm256_set1_ps(-b);
+  const __m256 one = _mm256_set1_ps(1.0f), limit = _mm256_set1_ps(exp_limit);
+  const __m256 infinity = _mm256_set1_ps(INFINITY);
+  return activation_and_mul(
+      gate_up, "gelu_tanh_and_mul",
+      [&](__m256 g, __m256 u) {
+        const __m256 exponent =
+            _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), minus_b, minus_a));
+        const __m256 denominator =
+            _mm256_blendv_ps(_mm256_add_ps(one, exp_avx2(exponent)), infinity,
+                             _mm256_cmp_ps(exponent, limit, _CMP_GT_OQ));
+        return _mm256_mul_ps(_mm256_div_ps(g, denominator), u);
+      },
+      [](float g, float u) { return g / (1.0f + std::exp(g * (-a - b * (g * g)))) * u; });
 }
 
 // x: [rows, width] -> [rows] int64, each row's argmax (torch.argmax(x, -1)).
@@ -174,4 +210,5 @@ PIPELLM_LIBRARY_FRAGMENT(m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor",
         &pipellm_ops::add_rms_norm_);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &pipellm_ops::silu_and_mul);
+  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor", &pipellm_ops::gelu_tanh_and_mul);
 }

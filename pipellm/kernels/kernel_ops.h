@@ -55,6 +55,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& residual,
                          const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 
 // pipellm/parallel/shm_comm.cpp: a tensor-parallel group's shared-memory collectives.

@@ -160,6 +160,10 @@ class KernelOps:
     def silu_and_mul(self, gate_up: Tensor) -> Tensor:
         return self._ops.silu_and_mul(gate_up)
 
+    def gelu_tanh_and_mul(self, gate_up: Tensor) -> Tensor:
+        """[T, 2 I] (gate, up) -> gelu(gate) * up with GELU's tanh approximation, [T, I]."""
+        return self._ops.gelu_tanh_and_mul(gate_up)
+
     def argmax_rows(self, x: Tensor) -> Tensor:
         return self._ops.argmax_rows(x)
 

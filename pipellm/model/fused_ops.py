@@ -1,6 +1,6 @@
-"""RMSNorm (with the residual add before it), SiLU-and-mul and the sampler's argmax, on
-pipellm's fused CPU kernels (pipellm/kernels/elementwise.cpp) where they apply, else in plain
-PyTorch; GELU-and-mul in plain PyTorch."""
+"""RMSNorm (with the residual add before it), SiLU-and-mul, GELU-and-mul and the sampler's
+argmax, on pipellm's fused CPU kernels
+(pipellm/kernels/elementwise.cpp) where they apply, else in plain PyTorch."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [..., 2 I], gate then up. Returns gelu(gate) * up with GELU's tanh
     approximation (GeGLU, as Gemma's `gelu_pytorch_tanh`), [..., I]."""
+    if kernels_apply(gate_up) and gate_up.dim() == 2:
+        return ops().gelu_tanh_and_mul(gate_up.contiguous())
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
