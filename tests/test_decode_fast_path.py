@@ -265,17 +265,20 @@ def test_smollm2_decode_steps_equal_the_python_path(quantization):
     assert checked == python
 
 
-def test_gemma3_decode_steps_equal_the_python_path_and_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_q_k_norm_families_decode_steps_equal_the_python_path_and_transformers(tmp_path, arch):
     """Gemma 3 (a tiny checkpoint): q/k norms, four norms a layer, the tanh-GELU gate, (1 + w)
     norms, the embedding scale, and five sliding-window layers (their own KV-cache group and
-    RoPE base) then a global one. Every decode-only step takes the fused path, bit-identical
-    to the Python path, with prompts longer than the window and new tokens past another one."""
-    directory = make_tiny_checkpoint(tmp_path / "gemma3", arch="gemma3")
+    RoPE base) then a global one; Qwen3: its q/k norms alone. Every decode-only step takes the
+    fused path, bit-identical to the Python path, with prompts longer than the window and new
+    tokens past another one."""
+    directory = make_tiny_checkpoint(tmp_path / arch, arch=arch)
     prompts = make_prompts(vocab_size=300, shared_prefix=TINY_SLIDING_WINDOW)[:2]
     params = SamplingParams(temperature=0, max_tokens=2 * TINY_SLIDING_WINDOW, ignore_eos=True)
     with LLM(str(directory), max_num_seqs=2) as llm:
         stage = llm.engine.executor.worker.model
-        assert stage.config.sliding_window_layers and stage.decode_fast_path is not None
+        assert stage.config.qk_norm and stage.decode_fast_path is not None
+        assert bool(stage.config.sliding_window_layers) == (arch == "gemma3")
         both = BothPaths(stage)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert both.steps == params.max_tokens - 1

@@ -1,5 +1,5 @@
-"""Fused RMSNorm / add + RMSNorm / SiLU-and-mul / GELU-and-mul: the kernels and the PyTorch
-fallback both match the plain formulas."""
+"""Fused RMSNorm / add + RMSNorm / per-head q/k RMSNorm / SiLU-and-mul / GELU-and-mul: the
+kernels and the PyTorch fallback both match the plain formulas."""
 
 import pytest
 import torch
@@ -49,6 +49,33 @@ def test_silu_and_mul(path, rows, width):
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])  # saturated and zero gates
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 20])  # 20: the scalar tail
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (8, 2), (3, 3)])
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_head_rms_norm_norms_query_and_key_heads_only(
+    path, tokens, num_heads, num_kv_heads, head_dim
+):
+    generator = torch.Generator().manual_seed(tokens * 1000 + num_heads * 10 + head_dim)
+    heads = num_heads + 2 * num_kv_heads
+    qkv = torch.randn(tokens, heads, head_dim, generator=generator) * 5
+    # Gemma's norm weights as loaded hold 1 + w; distinct q and k weights catch a swap.
+    q_weight = 1 + torch.randn(head_dim, generator=generator)
+    k_weight = 1 + torch.randn(head_dim, generator=generator)
+    before = qkv.clone()
+    got = fused_ops.head_rms_norm_(qkv, q_weight, k_weight, num_heads, num_kv_heads, 1e-6)
+    if path == "kernels":
+        assert got is qkv  # in place
+    assert torch.equal(got[:, num_heads + num_kv_heads :], before[:, num_heads + num_kv_heads :])
+    q, k = before[:, :num_heads], before[:, num_heads : num_heads + num_kv_heads]
+    # float32 sums of squares in another order than ATen's, then products only: each output
+    # within a few ulp (the kernel is ~2 ulp from a float64 norm).
+    bound = {"rtol": 1e-6, "atol": 0.0}
+    torch.testing.assert_close(got[:, :num_heads], reference_norm(q, q_weight, 1e-6), **bound)
+    torch.testing.assert_close(
+        got[:, num_heads : num_heads + num_kv_heads], reference_norm(k, k_weight, 1e-6), **bound
+    )
 
 
 # The outputs' sign, NaN and infinity as F.gelu's: at either side of a row's vector part and

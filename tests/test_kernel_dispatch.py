@@ -141,6 +141,8 @@ def test_attention_and_fused_ops_bit_identical_across_levels(length):
         normed = ops.add_rms_norm_(summed, residual, norm_weight, 1e-5)
         rotated, caches = qkv.clone(), (torch.zeros_like(k_cache), torch.zeros_like(v_cache))
         ops.rotary_and_cache_(rotated, cos, sin, *caches, slots, 9, 3)
+        head_normed = qkv.clone()
+        ops.head_rms_norm_(head_normed, norm_weight[:64], norm_weight[64:128], 9, 3, 1e-6)
         return [
             prefill,
             decode,
@@ -149,6 +151,7 @@ def test_attention_and_fused_ops_bit_identical_across_levels(length):
             ops.rms_norm(x, norm_weight, 1e-6),
             ops.silu_and_mul(x),
             ops.gelu_tanh_and_mul(x * 4),
+            head_normed,
             rotated,
             *caches,
         ]

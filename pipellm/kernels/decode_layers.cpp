@@ -9,8 +9,9 @@
 // (model/llama.py), so the hidden states are bit-identical; the Python path stays the
 // reference and the fallback (prefills, mixed batches, models the kernels do not cover). The
 // kernels are called through their declarations (kernel_ops.h): a changed signature fails to
-// compile here. The step the Python path leaves to ATen (the q/k per-head norms) makes the
-// same ATen calls here.
+// compile here. Every step of a layer is one of those kernels, the q/k per-head norms and the
+// GELU gate included; ATen is left with views, allocations and what the Python path does in
+// ATen too (the stage's last residual add; with tensor parallelism, a pad and a copy).
 //
 // The family switches (model/model_config.py) are per layer: q/k norms (Qwen3, Gemma 3), the
 // norms after attention and the MLP (Gemma 3's four a layer), the tanh-GELU gate (Gemma), a
@@ -223,11 +224,9 @@ class DecodeLayers : public torch::CustomClassHolder {
     const at::Tensor& key_cache = caches_[cache];
     const at::Tensor& value_cache = caches_[cache + 1];
     at::Tensor qkv = gather_heads((*layer.qkv_proj)(h)).view({tokens, -1, head_dim});
-    if (layer.q_norm) {  // Attention._norm_query_and_key_heads
-      const std::vector<at::Tensor> heads = qkv.split({num_heads, num_kv_heads, num_kv_heads}, 1);
-      qkv = at::cat({at::rms_norm(heads[0], {head_dim}, layer.q_norm, eps),
-                     at::rms_norm(heads[1], {head_dim}, layer.k_norm, eps), heads[2]},
-                    1);
+    if (layer.q_norm) {  // Attention._norm_query_and_key_heads, in place
+      pipellm_ops::head_rms_norm_(qkv, *layer.q_norm, *layer.k_norm, num_heads, num_kv_heads,
+                                  eps);
     }
     pipellm_ops::rotary_and_cache_(qkv, cos, sin, key_cache, value_cache, slot_mapping,
                                    num_heads, num_kv_heads);

@@ -1,5 +1,6 @@
 // The elementwise steps between a layer's GEMMs, fused: RMSNorm (with the residual add before
-// it), SiLU(gate) * up and GELU(gate) * up; and the greedy sampler's argmax over the vocabulary. Each is one pass over memory and one
+// it, or over each query and key head of a q/k/v output), SiLU(gate) * up and GELU(gate) * up;
+// and the greedy sampler's argmax over the vocabulary. Each is one pass over memory and one
 // parallel region instead of the 3-6 ATen ops (and as many OpenMP fork/joins) PyTorch's CPU
 // path takes: at decode sizes the ops' fixed costs, not their arithmetic, are what these save.
 #include <ATen/ATen.h>
@@ -164,6 +165,40 @@ at::Tensor pipellm_ops::silu_and_mul(const at::Tensor& gate_up) {
       [](float g, float u) { return g * u / (1.0f + std::exp(-g)); });
 }
 
+// qkv: [T, num_heads + 2 num_kv_heads, head_dim], the q/k/v projection's output. In place,
+// each query head is RMS-normed with q_weight and each key head with k_weight (Qwen3's and
+// Gemma 3's q/k norms); the value heads stay as they are.
+void pipellm_ops::head_rms_norm_(const at::Tensor& qkv, const at::Tensor& q_weight,
+                                 const at::Tensor& k_weight, int64_t num_heads,
+                                 int64_t num_kv_heads, double eps) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 3 &&
+                  qkv.is_contiguous(),
+              "head_rms_norm_: qkv must be a contiguous 3-D float32 CPU tensor");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && qkv.size(1) == num_heads + 2 * num_kv_heads,
+              "head_rms_norm_: qkv has ", qkv.size(1), " heads, not num_heads (", num_heads,
+              ") + 2 num_kv_heads (", num_kv_heads, ")");
+  const int64_t head_dim = qkv.size(2);
+  for (const at::Tensor* weight : {&q_weight, &k_weight})
+    TORCH_CHECK(weight->scalar_type() == at::kFloat && weight->is_contiguous() &&
+                    weight->numel() == head_dim,
+                "head_rms_norm_: q_weight and k_weight must be float32 of head_dim (", head_dim,
+                ") values");
+  const int64_t heads = qkv.size(1);
+  const int64_t normed = num_heads + num_kv_heads;  // per token: its query and key heads
+  float* base = qkv.data_ptr<float>();
+  const float* qw = q_weight.data_ptr<float>();
+  const float* kw = k_weight.data_ptr<float>();
+  const int64_t rows = qkv.size(0) * normed;
+  at::parallel_for(0, rows, grain_rows(head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t head = i % normed;
+      float* row = base + ((i / normed) * heads + head) * head_dim;
+      // In place is safe: rms_norm_row reads the whole row for its sum before it writes.
+      rms_norm_row(row, head < num_heads ? qw : kw, static_cast<float>(eps), head_dim, row);
+    }
+  });
+}
+
 // gate_up: [T, 2 I], gate then up. Returns [T, I]: gelu(gate) * up with GELU's tanh
 // approximation, 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), computed as the
 // equal g / (1 + e^-2z) * up: no 1 + tanh(z) to cancel where z is very negative, and where
@@ -211,4 +246,7 @@ PIPELLM_LIBRARY_FRAGMENT(m) {
         &pipellm_ops::add_rms_norm_);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &pipellm_ops::silu_and_mul);
   m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor", &pipellm_ops::gelu_tanh_and_mul);
+  m.def("head_rms_norm_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int num_heads, "
+        "int num_kv_heads, float eps) -> ()",
+        &pipellm_ops::head_rms_norm_);
 }

@@ -54,6 +54,9 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& residual,
                          const at::Tensor& weight, double eps);
+void head_rms_norm_(const at::Tensor& qkv, const at::Tensor& q_weight,
+                    const at::Tensor& k_weight, int64_t num_heads, int64_t num_kv_heads,
+                    double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);

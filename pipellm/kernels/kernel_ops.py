@@ -157,6 +157,19 @@ class KernelOps:
         """x += residual in place; returns rms_norm(x)."""
         return self._ops.add_rms_norm_(x, residual, weight, eps)
 
+    def head_rms_norm_(
+        self,
+        qkv: Tensor,
+        q_weight: Tensor,
+        k_weight: Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+    ) -> None:
+        """qkv [T, H + 2 Hkv, D]: each query head normed with q_weight, each key head with
+        k_weight, in place; the value heads untouched."""
+        self._ops.head_rms_norm_(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+
     def silu_and_mul(self, gate_up: Tensor) -> Tensor:
         return self._ops.silu_and_mul(gate_up)
 

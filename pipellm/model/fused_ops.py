@@ -1,5 +1,5 @@
-"""RMSNorm (with the residual add before it), SiLU-and-mul, GELU-and-mul and the sampler's
-argmax, on pipellm's fused CPU kernels
+"""RMSNorm (with the residual add before it, or over each query and key head), SiLU-and-mul,
+GELU-and-mul and the sampler's argmax, on pipellm's fused CPU kernels
 (pipellm/kernels/elementwise.cpp) where they apply, else in plain PyTorch."""
 
 from __future__ import annotations
@@ -25,6 +25,26 @@ def add_rms_norm_(
         return ops().add_rms_norm_(x, residual.contiguous(), weight, eps)
     x.add_(residual)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def head_rms_norm_(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """qkv [T, H + 2 Hkv, D]: each query head RMS-normed with q_weight and each key head with
+    k_weight (Qwen3's and Gemma 3's q/k norms), value heads as they are. In place where the
+    kernel takes qkv (a fresh projection output of the caller's), else a new tensor."""
+    if kernels_apply(qkv) and qkv.dim() == 3 and qkv.is_contiguous():
+        ops().head_rms_norm_(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+        return qkv
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    width = (qkv.shape[-1],)
+    q, k = F.rms_norm(q, width, q_weight, eps), F.rms_norm(k, width, k_weight, eps)
+    return torch.cat([q, k, v], dim=1)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from pipellm.model.fused_ops import (
     add_rms_norm_,
     argmax_rows,
     gelu_tanh_and_mul,
+    head_rms_norm_,
     rms_norm,
     silu_and_mul,
 )
@@ -134,10 +135,12 @@ class Attention(nn.Module):
         return out if self.comm is None else self.comm.all_reduce_(out)
 
     def _norm_query_and_key_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [T, H + 2 Hkv, D] with each query head and key head RMS-normed (Qwen3, Gemma 3)."""
-        h, hkv = self.num_heads, self.num_kv_heads
-        q, k, v = qkv.split([h, hkv, hkv], dim=1)
-        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)
+        """qkv [T, H + 2 Hkv, D] with each query head and key head RMS-normed (Qwen3, Gemma 3);
+        in place where the kernel applies (qkv is this step's projection output)."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        return head_rms_norm_(
+            qkv, q_norm.weight, k_norm.weight, self.num_heads, self.num_kv_heads, q_norm.eps
+        )
 
 
 class MLP(nn.Module):
