@@ -56,6 +56,7 @@ _FILES = (
     "gguf_iq_quants.cpp",
     "gguf_float_types.cpp",
     "gguf_linear.cpp",
+    "panel_rows.cpp",
 )
 _KERNELS_DIR = Path(__file__).parent
 # The tensor-parallel group's shared-memory collectives join the same build (and the fused

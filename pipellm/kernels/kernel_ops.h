@@ -36,6 +36,8 @@ at::Tensor gguf_linear_int8(const at::Tensor& input, at::TensorList parts, at::I
 at::Tensor gguf_embedding(const at::Tensor& ids, const at::Tensor& blocks, int64_t ggml_type,
                           int64_t hidden);
 std::vector<int64_t> gguf_kernel_types();
+at::Tensor q8_0_panel_rows(const at::Tensor& ids, const at::Tensor& packed, bool int8_lanes,
+                           int64_t rows);
 
 // rotary_and_cache.cpp, paged_decode_attention.cpp, prefill_attention.cpp.
 void rotary_and_cache_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,

@@ -85,6 +85,11 @@ class KernelOps:
         """Rows `ids` of a GGUF matrix of `type` as float32 [*ids.shape, hidden]."""
         return self._ops.gguf_embedding(ids, blocks, type, hidden)
 
+    def q8_0_panel_rows(self, ids: Tensor, packed: Tensor, int8_lanes: bool, rows: int) -> Tensor:
+        """Rows `ids` of a Q8_0 matrix repacked into 16-row panels (pack_quantized_weight, or
+        pack_int8_weight where int8_lanes) as float32 [*ids.shape, hidden] (panel_rows.cpp)."""
+        return self._ops.q8_0_panel_rows(ids, packed, int8_lanes, rows)
+
     def gguf_kernel_types(self) -> list[int]:
         """Per GGUF type the kernels take: ggml type, block values, block bytes, int8 path."""
         return self._ops.gguf_kernel_types()

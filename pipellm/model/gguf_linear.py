@@ -421,6 +421,7 @@ class GgufEmbedding(nn.Module):
         self.register_buffer("table", weight.blocks, persistent=False)
         self.weight = meta_weight
         self.embedding_op = ops(level).gguf_embedding
+        self.panel_rows_op = ops(level).q8_0_panel_rows
         self.head: QuantizedLinear | None = None
 
     def share_head(self, head: nn.Module) -> bool:
@@ -443,26 +444,9 @@ class GgufEmbedding(nn.Module):
 
     def _rows_from_head(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the head's repacked Q8_0 records (pack_quantized_weight or, with int8
-        activations, pack_int8_weight): per panel of 16 rows and 32-value block, 16 float16
-        scales, then the quants by depth and column (+ 128, in lanes of 4 depths, for int8)."""
-        flat = token_ids.reshape(-1)
-        if flat.numel() and (flat.min() < 0 or flat.max() >= self.rows):
-            raise IndexError(f"token ids must be in [0, {self.rows}): got {flat.tolist()}")
-        panel, column = flat // PANEL, flat % PANEL
-        records = self.head.packed_weight[panel]  # [n, blocks, bytes]
-        n, blocks = records.shape[:2]
-        rows = torch.arange(n)
-        pairs = records[:, :, : 2 * PANEL].reshape(n, blocks, PANEL, 2)[rows, :, column]
-        scales = pairs.contiguous().view(torch.float16).float()  # [n, blocks, 1]
-        quants = records[:, :, 2 * PANEL :]
-        if self.head.int8_activations:
-            lanes = quants.reshape(n, blocks, BLOCK // 4, PANEL, 4)[rows, :, :, column]
-            q = lanes.reshape(n, blocks, BLOCK).to(torch.int16) - 128
-        else:
-            q = quants.reshape(n, blocks, BLOCK, PANEL)[rows, :, :, column].view(torch.int8)
-        # q d in float32, as `gguf` dequantizes Q8_0: the same bits.
-        values = q.float() * scales
-        return values.reshape(*token_ids.shape, self.hidden)
+        activations, pack_int8_weight), as `gguf` dequantizes them (panel_rows.cpp)."""
+        head = self.head
+        return self.panel_rows_op(token_ids, head.packed_weight, head.int8_activations, self.rows)
 
     def extra_repr(self) -> str:
         where = "stored rows" if self.table is not None else "the lm_head's records"
