@@ -175,14 +175,15 @@ inline void locate_block(const uint8_t* panel, int64_t b, const uint8_t* end,
   }
 }
 
-// At one or two rows a thread walks its panels one at a time (panels_at_once): its weights are
-// then one stream read in order, which the hardware prefetcher follows at close to the read
-// bandwidth, and software prefetches only cost issue slots. Several panels side by side (more
-// independent chains of vpdpbusd) made as many interleaved streams, and the stream, not the
-// arithmetic, is what a one-row step waits on. Measured on Gemma 3's 262,144 x 640 Q8_0
-// output head, one row, one thread of an AVX-512 AMD EPYC: 4 panels with prefetches at
-// ~14 GB/s, 1 panel without at ~27. More rows reuse each panel's weights from L1 (the
-// prefetch then hides the first row block's misses).
+// At one or two rows a thread walks its panels one at a time (np = 1 in quantized_linear_int8),
+// and a register block of one or two rows over one panel issues no software prefetch: the
+// thread's weights are then one stream read in order, which the hardware prefetcher follows at
+// close to the read bandwidth, and the prefetches would only cost issue slots. Several panels
+// side by side (more independent chains of vpdpbusd) made as many interleaved streams, and the
+// stream, not the arithmetic, is what a one-row step waits on. Measured on Gemma 3's
+// 262,144 x 640 Q8_0 output head, one row, one thread of an AVX-512 AMD EPYC: 4 panels with
+// prefetches at ~14 GB/s, 1 panel without at ~25. Larger register blocks reuse each panel's
+// weights from L1 (the prefetch then hides the first row block's misses).
 template <int R, int NP>
 constexpr bool kPrefetchWeights = !(NP == 1 && R <= 2);
 

@@ -15,12 +15,18 @@
 #include "kernel_library.h"
 #include "kernel_ops.h"
 
+#include "gemm_microkernel.h"
+
 #include <cstdint>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kPanel = 16, kBlock = 32, kRecordBytes = kPanel * 2 + kBlock * kPanel;
+using pipellm_kernels::kPanel;
+
+// A Q8_0 record per panel and 32-deep block: 16 float16 scales, then 32 x 16 quants (either
+// layout).
+constexpr int64_t kBlock = 32, kRecordBytes = kPanel * 2 + kBlock * kPanel;
 
 // Row `row` of the matrix: `blocks` records of its panel, column row % 16, into out.
 void panel_row(const uint8_t* packed, int64_t blocks, int64_t row, bool int8_lanes, float* out) {
