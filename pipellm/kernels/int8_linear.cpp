@@ -41,6 +41,8 @@
 //         for vector i the two high bits of byte b's value at bits 2 i (3,360 bytes, as the
 //         exact kernel's record). w = d scale (q - 32): the low nibbles are depths 0-15 of
 //         the block (one sub-block, one scale), the high nibbles depths 16-31 (the next).
+// From kWidenRows rows, the VNNI kernel first widens each Q5_0 or Q6_K panel to one byte a
+// quant in Q8_0's order (widen_panel), once per pass, and runs Q8_0's loop on it.
 // The AVX2 kernel reads each 64-byte vector as two halves of 8 columns. Compiled into every
 // level's library; the VNNI kernel only into the AVX-512 one, with the VNNI instructions enabled
 // per function (an AVX-512 CPU without VNNI runs the AVX2 kernel there).
@@ -187,13 +189,21 @@ inline void locate_block(const uint8_t* panel, int64_t b, const uint8_t* end,
 template <int R, int NP>
 constexpr bool kPrefetchWeights = !(NP == 1 && R <= 2);
 
+// Rows of x from which the VNNI kernel takes Q5_0 and Q6_K panels widened to bytes once
+// (widen_panel) rather than unpacking them in every register block of 4 rows: their unpacking
+// (Q5_0's byte masks, Q6_K's high bits) then costs once per pass, and the loop becomes Q8_0's.
+// Measured on an AVX-512 AMD EPYC, 2 threads: ~10% faster from 32 rows; no gain at 8-16 rows,
+// and none for Q4_1 or Q4_K, whose nibbles cost one and, one shift and one and to unpack.
+constexpr int64_t kWidenRows = 32;
+constexpr bool widens(int64_t kind) { return kind == kQ5_0 || kind == kQ6_K; }
+
 // Rows a VNNI register block takes at most. Panels at once: 1 at one or two rows (see
 // kPrefetchWeights), else 2.
 constexpr int kMaxRows = 4;
 
 // One register block: rows [r0, r0 + R) times panels [p0, p0 + NP), whole depth.
 using Int8BlockFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, int64_t, int64_t,
-                             int64_t, const PanelOutput&, const uint8_t*);
+                             int64_t, const PanelOutput&, const uint8_t*, const uint8_t*);
 
 #if defined(__AVX512F__)
 #define PIPELLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -203,17 +213,106 @@ inline __m512 halves16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Vector i (of 4) of a 32-deep block's nibble lanes (Q4_1, Q4_K, Q5_0) as u8 quants: `lo` holds
+// the 16 columns' depths 4 i.., `hi` depths 16 + 4 i... Q5_0's fifth bits become 16 through byte
+// masks (AVX-512BW): the 32-bit word at 256 + 16 i + 8 h + 4 n holds half h's (bytes 32 h..)
+// fifth bits of nibble n.
+template <int64_t Kind>
+PIPELLM_VNNI inline void unpack_nibbles(const uint8_t* lanes, int i, __m512i& lo, __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i packed = _mm512_loadu_si512(lanes + 64 * i);
+  lo = _mm512_and_si512(packed, low);
+  hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+  if constexpr (Kind == kQ5_0) {
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    uint32_t words[4];
+    __builtin_memcpy(words, lanes + 256 + 16 * i, 16);
+    const __mmask64 lo_bits = words[0] | static_cast<uint64_t>(words[2]) << 32;
+    const __mmask64 hi_bits = words[1] | static_cast<uint64_t>(words[3]) << 32;
+    lo = _mm512_mask_blend_epi8(lo_bits, lo, _mm512_or_si512(lo, sixteen));
+    hi = _mm512_mask_blend_epi8(hi_bits, hi, _mm512_or_si512(hi, sixteen));
+  }
+}
+
+// A Q6_K block's high bits for nibble n (0: the low nibbles, 1: the high ones), all 4 vectors:
+// half 0's 32 bytes at 256 + 32 n, half 1's at 320 + 32 n.
+PIPELLM_VNNI inline __m512i q6_k_high_bits(const uint8_t* lanes, int n) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 256 + 32 * n))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + 320 + 32 * n)), 1);
+}
+
+// Vector i of a Q6_K block as u8 quants in [0, 63]: the nibbles, with vector i's two high bits
+// (bits 2 i of `high`) moved to bits 4-5.
+PIPELLM_VNNI inline void unpack_q6_k(const uint8_t* lanes, const __m512i (&high)[2], int i,
+                                     __m512i& lo, __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high_mask = _mm512_set1_epi8(0x30);
+  auto high_of = [&](__m512i v) {
+    const __m512i moved =
+        i < 2 ? _mm512_slli_epi16(v, 4 - 2 * i) : _mm512_srli_epi16(v, 2 * i - 4);
+    return _mm512_and_si512(moved, high_mask);
+  };
+  const __m512i packed = _mm512_loadu_si512(lanes + 64 * i);
+  lo = _mm512_or_si512(_mm512_and_si512(packed, low), high_of(high[0]));
+  hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low), high_of(high[1]));
+}
+
+// Bytes of one widened 32-deep block: 8 vectors of 64 u8 quants, vector g holding the panel's
+// 16 columns at depths 4 g.. (byte 4 j + t: column j at depth 4 g + t), as Q8_0's records do.
+constexpr int64_t kWidenedBlockBytes = 8 * 64;
+
+// A panel's quants, every block, widened to bytes (kWidenedBlockBytes each) at `out`: what the
+// Widened kernel reads instead of unpacking nibbles and high bits in each register block.
+template <int64_t Kind>
+PIPELLM_VNNI void widen_panel(const uint8_t* panel, int64_t blocks, uint8_t* out) {
+  for (int64_t b = 0; b < blocks; ++b, out += kWidenedBlockBytes) {
+    const uint8_t *record, *lanes;
+    locate_block<Kind, false>(panel, b, nullptr, record, lanes);
+    __m512i high[2];
+    if constexpr (Kind == kQ6_K)
+      for (int n = 0; n < 2; ++n) high[n] = q6_k_high_bits(lanes, n);
+    for (int i = 0; i < 4; ++i) {
+      __m512i lo, hi;
+      if constexpr (Kind == kQ6_K)
+        unpack_q6_k(lanes, high, i, lo, hi);
+      else
+        unpack_nibbles<Kind>(lanes, i, lo, hi);
+      _mm512_storeu_si512(out + 64 * i, lo);
+      _mm512_storeu_si512(out + 64 * (4 + i), hi);
+    }
+  }
+}
+
+// Vector g of block b of NP widened panels (panel p at widened + p blocks kWidenedBlockBytes)
+// times R rows of x at the same depths, into dot.
+template <int R, int NP>
+PIPELLM_VNNI inline void dot_widened(const uint8_t* widened, int64_t blocks, int64_t b, int g,
+                                     const int8_t* qb, int64_t depth, __m512i (&dot)[R][NP]) {
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p) {
+    const __m512i w =
+        _mm512_loadu_si512(widened + (p * blocks + b) * kWidenedBlockBytes + 64 * g);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t xg;
+      __builtin_memcpy(&xg, qb + r * depth + 4 * g, 4);
+      dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], w, _mm512_set1_epi32(xg));
+    }
+  }
+}
+
 // Rows [r0, r0 + R) times panels [p0, p0 + NP), whole depth. Weights are unpacked once per
-// group of 4 depths and used by every row; each (row, panel) keeps an int32 sum per block,
+// group of 4 depths and used by every row, or, where Widened, read already widened
+// (widen_panel: Q8_0's loop for every type); each (row, panel) keeps an int32 sum per block,
 // folded into its float32 output with the block's scales, by the AVX2 kernel's operations per
-// column (so both give the same bits). Q5_0's fifth bits become byte masks (AVX-512BW): the
-// 5-bit q = nibble | 16 where the mask is set. Q6_K's q = nibble | two high bits << 4 is in
-// [0, 63]; each 16-deep sub-block (one scale) keeps its own sum, started at -32 sum(qx) over
-// its 16 values: sum((q - 32) qx).
-template <int64_t Kind, int R, int NP>
+// column (so all give the same bits). Q6_K's q = nibble | two high bits << 4 is in [0, 63];
+// each 16-deep sub-block (one scale) keeps its own sum, started at -32 sum(qx) over its 16
+// values: sum((q - 32) qx).
+template <int64_t Kind, int R, int NP, bool Widened>
 PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t* wp,
                              int64_t panel_bytes, int64_t p0, int64_t blocks,
-                             const PanelOutput& y, const uint8_t* end) {
+                             const PanelOutput& y, const uint8_t* end, const uint8_t* widened) {
   constexpr bool kNibbles = Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ5_0;
   const int64_t depth = blocks * kBlock;
   const int8_t* q = xq.q + r0 * depth;
@@ -229,15 +328,14 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       const float* bias = y.bias(p0 + p);
       acc[r][p] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     }
-  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec[NP];
     const uint8_t* lanes[NP];  // the block's 4 x 64 bytes of nibble lanes (or Q8_0's 8 x 64)
     __m512i dot[R][NP];
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
-      locate_block<Kind, kPrefetchWeights<R, NP>>(wp + (p0 + p) * panel_bytes, b, end, rec[p],
-                                                 lanes[p]);
+      locate_block<Kind, !Widened && kPrefetchWeights<R, NP>>(wp + (p0 + p) * panel_bytes, b,
+                                                              end, rec[p], lanes[p]);
     // Q8_0's quants are stored + 128 and Q5_0's are q + 16: start from -128 sum(qx) (or
     // -16 sum(qx)) to take the offset back out.
     constexpr int32_t kOffset = Kind == kQ8_0 ? 128 : Kind == kQ5_0 ? 16 : 0;
@@ -247,45 +345,37 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       for (int p = 0; p < NP; ++p) dot[r][p] = _mm512_set1_epi32(-kOffset * sum[r * blocks + b]);
     const int8_t* qb = q + b * kBlock;
     if constexpr (Kind == kQ6_K) {
-      __m512i sub_dot[R][NP][2];  // [n]: the low nibbles' sub-block, then the high ones'
+      __m512i sub_dot[2][R][NP];  // [n]: the sub-block of depths 0-15, then that of 16-31
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p)
           for (int n = 0; n < 2; ++n)
-            sub_dot[r][p][n] = _mm512_set1_epi32(-32 * half_sum[r * blocks * 2 + 2 * b + n]);
-      const __m512i high_mask = _mm512_set1_epi8(0x30);
-      // High bits of nibble n: half 0's 32 bytes at 256 + 32 n, half 1's at 320 + 32 n.
-      __m512i high[NP][2];
+            sub_dot[n][r][p] = _mm512_set1_epi32(-32 * half_sum[r * blocks * 2 + 2 * b + n]);
+      if constexpr (Widened) {
 #pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-        for (int n = 0; n < 2; ++n)
-          high[p][n] = _mm512_inserti64x4(
-              _mm512_castsi256_si512(
-                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[p] + 256 + 32 * n))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes[p] + 320 + 32 * n)), 1);
+        for (int g = 0; g < 8; ++g)
+          dot_widened<R, NP>(widened, blocks, b, g, qb, depth, sub_dot[g / 4]);
+      } else {
+        __m512i high[NP][2];
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p)
+          for (int n = 0; n < 2; ++n) high[p][n] = q6_k_high_bits(lanes[p], n);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
-        // vector i's two high bits (at bits 2 i) to bits 4-5
-        auto high_of = [&](__m512i v) {
-          const __m512i moved =
-              i < 2 ? _mm512_slli_epi16(v, 4 - 2 * i) : _mm512_srli_epi16(v, 2 * i - 4);
-          return _mm512_and_si512(moved, high_mask);
-        };
+        for (int i = 0; i < 4; ++i) {
 #pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p) {
-          const __m512i packed = _mm512_loadu_si512(lanes[p] + 64 * i);
-          const __m512i lo = _mm512_or_si512(_mm512_and_si512(packed, low), high_of(high[p][0]));
-          const __m512i hi = _mm512_or_si512(
-              _mm512_and_si512(_mm512_srli_epi16(packed, 4), low), high_of(high[p][1]));
+          for (int p = 0; p < NP; ++p) {
+            __m512i lo, hi;
+            unpack_q6_k(lanes[p], high[p], i, lo, hi);
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xr = qb + r * depth;
-            int32_t x_lo, x_hi;
-            __builtin_memcpy(&x_lo, xr + 4 * i, 4);
-            __builtin_memcpy(&x_hi, xr + 16 + 4 * i, 4);
-            sub_dot[r][p][0] = _mm512_dpbusd_epi32(sub_dot[r][p][0], lo, _mm512_set1_epi32(x_lo));
-            sub_dot[r][p][1] = _mm512_dpbusd_epi32(sub_dot[r][p][1], hi, _mm512_set1_epi32(x_hi));
+            for (int r = 0; r < R; ++r) {
+              const int8_t* xr = qb + r * depth;
+              int32_t x_lo, x_hi;
+              __builtin_memcpy(&x_lo, xr + 4 * i, 4);
+              __builtin_memcpy(&x_hi, xr + 16 + 4 * i, 4);
+              sub_dot[0][r][p] = _mm512_dpbusd_epi32(sub_dot[0][r][p], lo, _mm512_set1_epi32(x_lo));
+              sub_dot[1][r][p] = _mm512_dpbusd_epi32(sub_dot[1][r][p], hi, _mm512_set1_epi32(x_hi));
+            }
           }
         }
       }
@@ -303,28 +393,21 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
         for (int r = 0; r < R; ++r) {
           const __m512 dx = _mm512_set1_ps(scale[r * blocks + b]);
           for (int n = 0; n < 2; ++n)
-            acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sub_dot[r][p][n]),
+            acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sub_dot[n][r][p]),
                                         _mm512_mul_ps(sub_scale[n], dx), acc[r][p]);
         }
       }
       continue;  // folded: the other types' fold below does not apply
+    } else if constexpr (Widened) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) dot_widened<R, NP>(widened, blocks, b, g, qb, depth, dot);
     } else if constexpr (kNibbles) {
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
 #pragma GCC unroll 8
         for (int p = 0; p < NP; ++p) {
-          const __m512i packed = _mm512_loadu_si512(lanes[p] + 64 * i);
-          __m512i lo = _mm512_and_si512(packed, low);
-          __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-          if constexpr (Kind == kQ5_0) {
-            // Words at 16 i + 8 h + 4 n: half h's (bytes 32 h..) fifth bits of nibble n.
-            uint32_t words[4];
-            __builtin_memcpy(words, rec[p] + 32 + 256 + 16 * i, 16);
-            const __mmask64 lo_bits = words[0] | static_cast<uint64_t>(words[2]) << 32;
-            const __mmask64 hi_bits = words[1] | static_cast<uint64_t>(words[3]) << 32;
-            lo = _mm512_mask_blend_epi8(lo_bits, lo, _mm512_or_si512(lo, sixteen));
-            hi = _mm512_mask_blend_epi8(hi_bits, hi, _mm512_or_si512(hi, sixteen));
-          }
+          __m512i lo, hi;
+          unpack_nibbles<Kind>(lanes[p], i, lo, hi);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const int8_t* xr = qb + r * depth;
@@ -384,12 +467,31 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       _mm512_storeu_ps(y.dst(p0 + p) + (r0 + r) * y.ld(p0 + p), acc[r][p]);
 }
 
-template <int64_t Kind, int R>
-constexpr Int8BlockFn kByPanels[2] = {int8_block<Kind, R, 1>, int8_block<Kind, R, 2>};
-// kInt8Block<Kind>[R - 1][NP - 1]
-template <int64_t Kind>
-constexpr const Int8BlockFn* kInt8Block[kMaxRows] = {kByPanels<Kind, 1>, kByPanels<Kind, 2>,
-                                                     kByPanels<Kind, 3>, kByPanels<Kind, 4>};
+template <int64_t Kind, int R, bool Widened>
+constexpr Int8BlockFn kByPanels[2] = {int8_block<Kind, R, 1, Widened>,
+                                      int8_block<Kind, R, 2, Widened>};
+// kInt8Block<Kind, Widened>[R - 1][NP - 1]
+template <int64_t Kind, bool Widened>
+constexpr const Int8BlockFn* kInt8Block[kMaxRows] = {
+    kByPanels<Kind, 1, Widened>, kByPanels<Kind, 2, Widened>, kByPanels<Kind, 3, Widened>,
+    kByPanels<Kind, 4, Widened>};
+
+// Panels [p, p + n) of a Q5_0 or Q6_K weight widened into this thread's buffer, returned.
+const uint8_t* widen_panels(int64_t kind, const uint8_t* wp, int64_t panel_bytes, int64_t p,
+                            int64_t n, int64_t blocks) {
+  thread_local std::vector<__m512i> buffer;  // 64-byte aligned: whole vectors
+  buffer.resize(n * blocks * kWidenedBlockBytes / sizeof(__m512i));
+  uint8_t* out = reinterpret_cast<uint8_t*>(buffer.data());
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* panel = wp + (p + i) * panel_bytes;
+    uint8_t* dst = out + i * blocks * kWidenedBlockBytes;
+    if (kind == kQ5_0)
+      widen_panel<kQ5_0>(panel, blocks, dst);
+    else
+      widen_panel<kQ6_K>(panel, blocks, dst);
+  }
+  return out;
+}
 
 bool cpu_has_vnni() {
   __builtin_cpu_init();
@@ -421,7 +523,8 @@ inline __m256i sixteens(const uint8_t* p) {
 // and the block's int32 sum less 16 sum(qx) is sum((q - 16) qx).
 template <int64_t Kind, int R, int NP>
 void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int64_t panel_bytes,
-                     int64_t p0, int64_t blocks, const PanelOutput& y, const uint8_t* end) {
+                     int64_t p0, int64_t blocks, const PanelOutput& y, const uint8_t* end,
+                     const uint8_t* /*widened: the VNNI kernel's only*/) {
   const int64_t depth = blocks * kBlock;
   const int8_t* q = xq.q + r0 * depth;
   const float* scale = xq.scale + r0 * blocks;
@@ -716,8 +819,13 @@ at::Tensor pipellm_ops::quantized_linear_int8(const at::Tensor& input, const at:
       const int64_t max_rows = vnni ? kMaxRows : kMaxRowsAvx2;
       const int64_t row_blocks = (count + max_rows - 1) / max_rows;
       const int64_t np = vnni && count > 2 ? 2 : 1;  // 1: one stream (kPrefetchWeights)
+      const bool widen = vnni && widens(kind) && count >= kWidenRows;
       for (int64_t p = first; p < last; p += np) {
         const int64_t n = std::min(np, last - p);
+        const uint8_t* widened = nullptr;
+#if defined(__AVX512F__)
+        if (widen) widened = widen_panels(kind, wp, panel_bytes, p, n, blocks);
+#endif
         for (int64_t i = 0, r = c0; i < row_blocks; ++i) {
           const int64_t rows = count / row_blocks + (i < count % row_blocks ? 1 : 0);
           Int8BlockFn fn = kind == kQ4_1   ? int8_block_avx2_for<kQ4_1>(rows)
@@ -726,14 +834,17 @@ at::Tensor pipellm_ops::quantized_linear_int8(const at::Tensor& input, const at:
                            : kind == kQ6_K ? int8_block_avx2_for<kQ6_K>(rows)
                                            : int8_block_avx2_for<kQ4_K>(rows);
 #if defined(__AVX512F__)
-          if (vnni)
-            fn = kind == kQ4_1   ? kInt8Block<kQ4_1>[rows - 1][n - 1]
-                 : kind == kQ8_0 ? kInt8Block<kQ8_0>[rows - 1][n - 1]
-                 : kind == kQ5_0 ? kInt8Block<kQ5_0>[rows - 1][n - 1]
-                 : kind == kQ6_K ? kInt8Block<kQ6_K>[rows - 1][n - 1]
-                                 : kInt8Block<kQ4_K>[rows - 1][n - 1];
+          if (widen)
+            fn = kind == kQ5_0 ? kInt8Block<kQ5_0, true>[rows - 1][n - 1]
+                               : kInt8Block<kQ6_K, true>[rows - 1][n - 1];
+          else if (vnni)
+            fn = kind == kQ4_1   ? kInt8Block<kQ4_1, false>[rows - 1][n - 1]
+                 : kind == kQ8_0 ? kInt8Block<kQ8_0, false>[rows - 1][n - 1]
+                 : kind == kQ5_0 ? kInt8Block<kQ5_0, false>[rows - 1][n - 1]
+                 : kind == kQ6_K ? kInt8Block<kQ6_K, false>[rows - 1][n - 1]
+                                 : kInt8Block<kQ4_K, false>[rows - 1][n - 1];
 #endif
-          fn(xq, r, wp, panel_bytes, p, blocks, y, end);
+          fn(xq, r, wp, panel_bytes, p, blocks, y, end, widened);
           r += rows;
         }
       }
