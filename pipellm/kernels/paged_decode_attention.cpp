@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -63,15 +65,33 @@ struct CacheView {
     }
   }
 
-  // Asks for tokens [first, first + n) to be brought into cache: the block table hides the
-  // next rows from the hardware prefetcher, which only follows plain strides.
-  void prefetch(int64_t first, int64_t n, int64_t row_elements) const {
-    const T* ahead[kChunk];
-    rows(first, n, ahead);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t byte = 0; byte < row_elements * int64_t{sizeof(T)}; byte += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead[i]) + byte, _MM_HINT_T0);
+};
+
+// Rows to bring into cache while a pass works through its chunk: the pass's next chunk, or, at
+// its last, the first chunk of what comes next (the values after the keys, the thread's next
+// task's keys after the values). The block table hides the next rows from the hardware
+// prefetcher, which only follows plain strides; asking for a chunk in one burst filled the
+// core's miss buffers and stalled the arithmetic behind it, so the rows are asked for a few
+// at a time as the chunk's tokens go by (`up_to`), one chunk ahead.
+template <typename T>
+class Upcoming {
+ public:
+  Upcoming(int64_t row_elements) : row_bytes_(row_elements * int64_t{sizeof(T)}) {}
+  void set(const CacheView<T>& view, int64_t first, int64_t n) {
+    view.rows(first, n, rows_);
+    n_ = n, done_ = 0;
   }
+  void clear() { n_ = done_ = 0; }
+  // As many rows as the chunk in work has tokens done (all of them: n_).
+  void up_to(int64_t done) {
+    for (const int64_t target = std::min(done, n_); done_ < target; ++done_)
+      for (int64_t byte = 0; byte < row_bytes_; byte += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rows_[done_]) + byte, _MM_HINT_T0);
+  }
+
+ private:
+  const T* rows_[kChunk];
+  int64_t row_bytes_, n_ = 0, done_ = 0;
 };
 
 // Tokens a pass takes: up to kChunk, fewer for wide heads, so that a pass's rows stay in L1
@@ -88,23 +108,35 @@ constexpr int piece_of(int v) {
   return piece;
 }
 
+// The thread's next task's keys and the tokens [begin, len) it attends to (len 0: none).
+template <typename T>
+struct NextKeys {
+  CacheView<T> keys;
+  int64_t begin = 0, len = 0;
+};
+
 // One sequence and KV head: `group` query heads of head_dim 8 * V, attending to cached tokens
 // [begin, len) (begin > 0 for a sliding-window layer). scores: scratch of
 // group * round_up(len - begin, 8) floats.
 template <int V, typename T>
 void attend(const float* query, int64_t query_head_stride, int64_t group,
             const CacheView<T>& keys, const CacheView<T>& values, int64_t begin, int64_t len,
-            float scale, float* scores, float* out) {
+            const NextKeys<T>& next, float scale, float* scores, float* out) {
   constexpr int64_t D = 8 * V, chunk = chunk_tokens(D);
   const int64_t count = len - begin, padded = (count + 7) / 8 * 8;
   const T* rows[kChunk];
+  Upcoming<T> upcoming(D);
   for (int64_t first = begin; first < len; first += chunk) {
     const int64_t n = std::min(chunk, len - first);
     keys.rows(first, n, rows);
-    if (first + n < len) keys.prefetch(first + n, std::min(chunk, len - first - n), D);
+    if (first + n < len)
+      upcoming.set(keys, first + n, std::min(chunk, len - first - n));
+    else
+      upcoming.set(values, begin, std::min(chunk, count));
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = query + g * query_head_stride;
       for (int64_t i = 0; i < n; i += 8) {
+        if (g == 0) upcoming.up_to(i + 8);
         const T* k[8];
         for (int u = 0; u < 8; ++u) k[u] = rows[std::min<int64_t>(i + u, n - 1)];  // a repeat
         // The 8 tokens' dot products advance together, one query vector at a time: a wide
@@ -121,6 +153,7 @@ void attend(const float* query, int64_t query_head_stride, int64_t group,
         _mm256_storeu_ps(scores + g * padded + first - begin + i, sum_each(dots));
       }
     }
+    upcoming.up_to(chunk);
   }
   for (int64_t g = 0; g < group; ++g) {
     masked_softmax(scores + g * padded, count, padded, scale);
@@ -129,14 +162,21 @@ void attend(const float* query, int64_t query_head_stride, int64_t group,
   for (int64_t first = begin; first < len; first += chunk) {
     const int64_t n = std::min(chunk, len - first);
     values.rows(first, n, rows);
-    if (first + n < len) values.prefetch(first + n, std::min(chunk, len - first - n), D);
+    if (first + n < len)
+      upcoming.set(values, first + n, std::min(chunk, len - first - n));
+    else if (next.len > 0)
+      upcoming.set(next.keys, next.begin, std::min(chunk, next.len - next.begin));
+    else
+      upcoming.clear();
     for (int64_t g = 0; g < group; ++g) {
       const float* p = scores + g * padded + first - begin;
       constexpr int piece = piece_of(V);
       for (int j0 = 0; j0 < V; j0 += piece) {
+        const bool prefetching = g == 0 && j0 == 0;
         __m256 acc[piece];
         for (int j = 0; j < piece; ++j) acc[j] = _mm256_loadu_ps(out + g * D + (j0 + j) * 8);
         for (int64_t i = 0; i < n; ++i) {
+          if (prefetching) upcoming.up_to(i + 1);
           const __m256 weight = _mm256_broadcast_ss(p + i);
           for (int j = 0; j < piece; ++j)
             acc[j] = _mm256_fmadd_ps(weight, load8(rows[i] + (j0 + j) * 8), acc[j]);
@@ -144,12 +184,14 @@ void attend(const float* query, int64_t query_head_stride, int64_t group,
         for (int j = 0; j < piece; ++j) _mm256_storeu_ps(out + g * D + (j0 + j) * 8, acc[j]);
       }
     }
+    upcoming.up_to(chunk);
   }
 }
 
 template <typename T>
 using AttendFn = void (*)(const float*, int64_t, int64_t, const CacheView<T>&,
-                          const CacheView<T>&, int64_t, int64_t, float, float*, float*);
+                          const CacheView<T>&, int64_t, int64_t, const NextKeys<T>&, float,
+                          float*, float*);
 
 template <typename T>
 AttendFn<T> attend_for(int64_t head_dim) {
@@ -182,21 +224,32 @@ void attend_all(const at::Tensor& out, const at::Tensor& query, const at::Tensor
   const T* v = value_cache.data_ptr<T>();
   float* o = out.data_ptr<float>();
   const int64_t query_seq_stride = query.stride(0), query_head_stride = query.stride(1);
+  // A task's window: tokens [first, len) of its sequence.
+  auto window_of = [&](int64_t seq) {
+    const int64_t len = lens[seq];
+    return std::pair<int64_t, int64_t>{window > 0 ? std::max<int64_t>(0, len - window) : 0, len};
+  };
+  auto view_of = [&](const T* cache, int64_t seq, int64_t h) {
+    return CacheView<T>{cache + h * s.head_dim, tables + seq * s.max_blocks, s.block_size,
+                        block_stride, token_stride};
+  };
   at::parallel_for(0, s.seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / s.kv_heads, h = task % s.kv_heads;
-      const int64_t len = lens[seq], group = starts[h + 1] - starts[h];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const auto [first, len] = window_of(seq);
+      const int64_t group = starts[h + 1] - starts[h];
       if (group == 0) continue;
       scores.resize(group * ((len - first + 7) / 8 * 8));
-      const int64_t* table = tables + seq * s.max_blocks;
-      const CacheView<T> keys{k + h * s.head_dim, table, s.block_size, block_stride, token_stride};
-      const CacheView<T> values{v + h * s.head_dim, table, s.block_size, block_stride,
-                                token_stride};
+      NextKeys<T> next{};
+      if (task + 1 < end) {
+        const int64_t next_seq = (task + 1) / s.kv_heads, next_h = (task + 1) % s.kv_heads;
+        next.keys = view_of(k, next_seq, next_h);
+        std::tie(next.begin, next.len) = window_of(next_seq);
+      }
       attend_fn(q + seq * query_seq_stride + starts[h] * query_head_stride, query_head_stride,
-                group, keys, values, first, len, scale, scores.data(),
-                o + (seq * s.heads + starts[h]) * s.head_dim);
+                group, view_of(k, seq, h), view_of(v, seq, h), first, len, next, scale,
+                scores.data(), o + (seq * s.heads + starts[h]) * s.head_dim);
     }
   });
 }
