@@ -111,6 +111,30 @@ def test_kernel_uneven_groups(kernel_ops, starts):
         op(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125, [0, 1, starts[-1] + 1])
 
 
+@pytest.mark.parametrize("starts", [(0, 3, 6, 9), (0, 2, 2, 5)])
+@pytest.mark.parametrize("window", [0, 20])
+def test_tasks_by_sequence_or_by_kv_head_give_the_same_bits(kernel_ops, starts, window):
+    """With at least twice as many sequences as threads a task is a whole sequence (all its KV
+    heads in one pass over its blocks), else one KV head of one: the same sums either way."""
+    lens = [1, 17, 64, 130, 5, 90]
+    k_cache, v_cache, tables = random_paged_cache(lens, 16, len(starts) - 1, 64, seed=9)
+    q = torch.randn(len(lens), starts[-1], 64)
+    args = (tables, torch.tensor(lens), 0.125, list(starts), window)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, len(lens)):  # 6 sequences: whole on 1 thread, by KV head on 6
+            torch.set_num_threads(n)
+            out = torch.empty(q.shape)
+            kernel_ops.paged_decode_attention(out, q, k_cache, v_cache, *args)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    expected = reference(q, k_cache, v_cache, tables, lens, 0.125, starts, window=window)
+    torch.testing.assert_close(outs[0], expected)
+
+
 @pytest.mark.parametrize("window", [1, 7, 16, 50])
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_kernel_sliding_window(kernel_ops, window, head_dim):

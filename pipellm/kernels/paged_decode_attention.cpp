@@ -2,9 +2,9 @@
 //
 // Why a kernel of our own: on the CPU, gathering each sequence's blocks into a padded tensor
 // and calling SDPA copies every key and value once (the gather) and then runs SDPA's flash
-// kernel, which is slow at query length 1. Here each (sequence, KV head) pair is one task that
-// reads its keys and values once, in place, and serves all query heads of its GQA group while
-// they are in L1. Two passes: scores (and an exact softmax over them), then the weighted sum of
+// kernel, which is slow at query length 1. Here each task (a sequence, or a sequence's KV head
+// when there are fewer sequences than twice the threads) reads its keys and values once, in
+// place, and serves all query heads of each GQA group while they are in L1. Two passes: scores (and an exact softmax over them), then the weighted sum of
 // values. Groups may be uneven (`group_starts`, query_groups.h). AVX2 + FMA; the query and out
 // are float32, the cache float32 or float16 (widened as it is read, F16C: half the bytes to
 // stream, the cache llama.cpp keeps by default); pipellm/kernels/cpu_kernels.py builds it and
@@ -82,9 +82,9 @@ class Upcoming {
     n_ = n, done_ = 0;
   }
   void clear() { n_ = done_ = 0; }
-  // As many rows as the chunk in work has tokens done (all of them: n_).
-  void up_to(int64_t done) {
-    for (const int64_t target = std::min(done, n_); done_ < target; ++done_)
+  // Rows in proportion to the work done on the chunk in hand: `done` of `total` steps.
+  void up_to(int64_t done, int64_t total) {
+    for (const int64_t target = done >= total ? n_ : n_ * done / total; done_ < target; ++done_)
       for (int64_t byte = 0; byte < row_bytes_; byte += 64)
         _mm_prefetch(reinterpret_cast<const char*>(rows_[done_]) + byte, _MM_HINT_T0);
   }
@@ -94,10 +94,10 @@ class Upcoming {
   int64_t row_bytes_, n_ = 0, done_ = 0;
 };
 
-// Tokens a pass takes: up to kChunk, fewer for wide heads, so that a pass's rows stay in L1
-// while every head of the group reads them.
-constexpr int64_t chunk_tokens(int64_t head_dim) {
-  return std::max<int64_t>(8, std::min<int64_t>(kChunk, 4096 / head_dim / 8 * 8));
+// Tokens a pass takes: up to kChunk, fewer for wide heads and for several KV heads at once, so
+// that a pass's rows (row_elements a token) stay in L1 while every query head reads them.
+constexpr int64_t chunk_tokens(int64_t row_elements) {
+  return std::max<int64_t>(8, std::min<int64_t>(kChunk, 4096 / row_elements / 8 * 8));
 }
 
 // Output vectors one pass over a pass's value rows accumulates: the largest divisor of V up to
@@ -115,50 +115,57 @@ struct NextKeys {
   int64_t begin = 0, len = 0;
 };
 
-// One sequence and KV head: `group` query heads of head_dim 8 * V, attending to cached tokens
-// [begin, len) (begin > 0 for a sliding-window layer). scores: scratch of
-// group * round_up(len - begin, 8) floats.
+// One sequence, KV heads [0, kv_heads) of the views (whose rows start at the first of them),
+// head h serving query heads [groups[h], groups[h + 1]) (groups[0] = 0) of head_dim 8 * V,
+// attending to cached tokens [begin, len) (begin > 0 for a sliding-window layer). A token's
+// rows of all these heads are adjacent in the cache, so a chunk's rows are read (and
+// prefetched) whole. scores: scratch of groups[kv_heads] * round_up(len - begin, 8) floats.
 template <int V, typename T>
-void attend(const float* query, int64_t query_head_stride, int64_t group,
-            const CacheView<T>& keys, const CacheView<T>& values, int64_t begin, int64_t len,
-            const NextKeys<T>& next, float scale, float* scores, float* out) {
-  constexpr int64_t D = 8 * V, chunk = chunk_tokens(D);
-  const int64_t count = len - begin, padded = (count + 7) / 8 * 8;
+void attend(const float* query, int64_t query_head_stride, int64_t kv_heads,
+            const int64_t* groups, const CacheView<T>& keys, const CacheView<T>& values,
+            int64_t begin, int64_t len, const NextKeys<T>& next, float scale, float* scores,
+            float* out) {
+  constexpr int64_t D = 8 * V;
+  const int64_t chunk = chunk_tokens(kv_heads * D);
+  const int64_t count = len - begin, padded = (count + 7) / 8 * 8, heads = groups[kv_heads];
   const T* rows[kChunk];
-  Upcoming<T> upcoming(D);
+  Upcoming<T> upcoming(kv_heads * D);
   for (int64_t first = begin; first < len; first += chunk) {
-    const int64_t n = std::min(chunk, len - first);
+    const int64_t n = std::min(chunk, len - first), steps = (n + 7) / 8;
     keys.rows(first, n, rows);
     if (first + n < len)
       upcoming.set(keys, first + n, std::min(chunk, len - first - n));
     else
       upcoming.set(values, begin, std::min(chunk, count));
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = query + g * query_head_stride;
-      for (int64_t i = 0; i < n; i += 8) {
-        if (g == 0) upcoming.up_to(i + 8);
-        const T* k[8];
-        for (int u = 0; u < 8; ++u) k[u] = rows[std::min<int64_t>(i + u, n - 1)];  // a repeat
-        // The 8 tokens' dot products advance together, one query vector at a time: a wide
-        // head's query (32 vectors at head_dim 256) does not fit the 16 registers, and held
-        // whole it spilled to the stack.
-        __m256 dots[8];
-        const __m256 q0 = _mm256_loadu_ps(qg);
-        for (int u = 0; u < 8; ++u) dots[u] = _mm256_mul_ps(q0, load8(k[u]));
-        for (int j = 1; j < V; ++j) {
-          const __m256 qj = _mm256_loadu_ps(qg + j * 8);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = groups[h]; g < groups[h + 1]; ++g) {
+        const float* qg = query + g * query_head_stride;
+        for (int64_t i = 0; i < n; i += 8) {
+          upcoming.up_to(g * steps + i / 8 + 1, heads * steps);
+          const T* k[8];
           for (int u = 0; u < 8; ++u)
-            dots[u] = _mm256_fmadd_ps(qj, load8(k[u] + j * 8), dots[u]);
+            k[u] = rows[std::min<int64_t>(i + u, n - 1)] + h * D;  // a repeat past n
+          // The 8 tokens' dot products advance together, one query vector at a time: a wide
+          // head's query (32 vectors at head_dim 256) does not fit the 16 registers, and held
+          // whole it spilled to the stack.
+          __m256 dots[8];
+          const __m256 q0 = _mm256_loadu_ps(qg);
+          for (int u = 0; u < 8; ++u) dots[u] = _mm256_mul_ps(q0, load8(k[u]));
+          for (int j = 1; j < V; ++j) {
+            const __m256 qj = _mm256_loadu_ps(qg + j * 8);
+            for (int u = 0; u < 8; ++u)
+              dots[u] = _mm256_fmadd_ps(qj, load8(k[u] + j * 8), dots[u]);
+          }
+          _mm256_storeu_ps(scores + g * padded + first - begin + i, sum_each(dots));
         }
-        _mm256_storeu_ps(scores + g * padded + first - begin + i, sum_each(dots));
       }
-    }
-    upcoming.up_to(chunk);
+    upcoming.up_to(1, 1);
   }
-  for (int64_t g = 0; g < group; ++g) {
+  for (int64_t g = 0; g < heads; ++g) {
     masked_softmax(scores + g * padded, count, padded, scale);
     std::fill(out + g * D, out + (g + 1) * D, 0.0f);
   }
+  constexpr int piece = piece_of(V);
   for (int64_t first = begin; first < len; first += chunk) {
     const int64_t n = std::min(chunk, len - first);
     values.rows(first, n, rows);
@@ -168,28 +175,28 @@ void attend(const float* query, int64_t query_head_stride, int64_t group,
       upcoming.set(next.keys, next.begin, std::min(chunk, next.len - next.begin));
     else
       upcoming.clear();
-    for (int64_t g = 0; g < group; ++g) {
-      const float* p = scores + g * padded + first - begin;
-      constexpr int piece = piece_of(V);
-      for (int j0 = 0; j0 < V; j0 += piece) {
-        const bool prefetching = g == 0 && j0 == 0;
-        __m256 acc[piece];
-        for (int j = 0; j < piece; ++j) acc[j] = _mm256_loadu_ps(out + g * D + (j0 + j) * 8);
-        for (int64_t i = 0; i < n; ++i) {
-          if (prefetching) upcoming.up_to(i + 1);
-          const __m256 weight = _mm256_broadcast_ss(p + i);
-          for (int j = 0; j < piece; ++j)
-            acc[j] = _mm256_fmadd_ps(weight, load8(rows[i] + (j0 + j) * 8), acc[j]);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t g = groups[h]; g < groups[h + 1]; ++g) {
+        const float* p = scores + g * padded + first - begin;
+        for (int j0 = 0; j0 < V; j0 += piece) {
+          upcoming.up_to(g * (V / piece) + j0 / piece + 1, heads * (V / piece));
+          __m256 acc[piece];
+          for (int j = 0; j < piece; ++j) acc[j] = _mm256_loadu_ps(out + g * D + (j0 + j) * 8);
+          for (int64_t i = 0; i < n; ++i) {
+            const __m256 weight = _mm256_broadcast_ss(p + i);
+            const T* row = rows[i] + h * D + j0 * 8;
+            for (int j = 0; j < piece; ++j)
+              acc[j] = _mm256_fmadd_ps(weight, load8(row + j * 8), acc[j]);
+          }
+          for (int j = 0; j < piece; ++j) _mm256_storeu_ps(out + g * D + (j0 + j) * 8, acc[j]);
         }
-        for (int j = 0; j < piece; ++j) _mm256_storeu_ps(out + g * D + (j0 + j) * 8, acc[j]);
       }
-    }
-    upcoming.up_to(chunk);
+    upcoming.up_to(1, 1);
   }
 }
 
 template <typename T>
-using AttendFn = void (*)(const float*, int64_t, int64_t, const CacheView<T>&,
+using AttendFn = void (*)(const float*, int64_t, int64_t, const int64_t*, const CacheView<T>&,
                           const CacheView<T>&, int64_t, int64_t, const NextKeys<T>&, float,
                           float*, float*);
 
@@ -233,23 +240,32 @@ void attend_all(const at::Tensor& out, const at::Tensor& query, const at::Tensor
     return CacheView<T>{cache + h * s.head_dim, tables + seq * s.max_blocks, s.block_size,
                         block_stride, token_stride};
   };
-  at::parallel_for(0, s.seqs * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tasks: whole sequences where there are enough to share out (a task then reads its blocks
+  // in order, every KV head's rows of a token together, which the hardware prefetcher
+  // follows), else (sequence, KV head) pairs, so that a lone sequence still uses every thread.
+  const int64_t heads_per_task = s.seqs >= 2 * at::get_num_threads() ? s.kv_heads : 1;
+  const int64_t tasks_per_seq = s.kv_heads / heads_per_task;
+  auto task_at = [&](int64_t task) {
+    return std::pair<int64_t, int64_t>{task / tasks_per_seq, task % tasks_per_seq * heads_per_task};
+  };
+  at::parallel_for(0, s.seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<int64_t> groups(heads_per_task + 1);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / s.kv_heads, h = task % s.kv_heads;
+      const auto [seq, h0] = task_at(task);
       const auto [first, len] = window_of(seq);
-      const int64_t group = starts[h + 1] - starts[h];
-      if (group == 0) continue;
-      scores.resize(group * ((len - first + 7) / 8 * 8));
+      for (int64_t h = 0; h <= heads_per_task; ++h) groups[h] = starts[h0 + h] - starts[h0];
+      if (groups[heads_per_task] == 0) continue;
+      scores.resize(groups[heads_per_task] * ((len - first + 7) / 8 * 8));
       NextKeys<T> next{};
       if (task + 1 < end) {
-        const int64_t next_seq = (task + 1) / s.kv_heads, next_h = (task + 1) % s.kv_heads;
-        next.keys = view_of(k, next_seq, next_h);
+        const auto [next_seq, next_h0] = task_at(task + 1);
+        next.keys = view_of(k, next_seq, next_h0);
         std::tie(next.begin, next.len) = window_of(next_seq);
       }
-      attend_fn(q + seq * query_seq_stride + starts[h] * query_head_stride, query_head_stride,
-                group, view_of(k, seq, h), view_of(v, seq, h), first, len, next, scale,
-                scores.data(), o + (seq * s.heads + starts[h]) * s.head_dim);
+      attend_fn(q + seq * query_seq_stride + starts[h0] * query_head_stride, query_head_stride,
+                heads_per_task, groups.data(), view_of(k, seq, h0), view_of(v, seq, h0), first,
+                len, next, scale, scores.data(), o + (seq * s.heads + starts[h0]) * s.head_dim);
     }
   });
 }
