@@ -166,27 +166,42 @@ inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const Prefetch&
 }
 
 // 32-deep block b of a panel: its record (for the K-quants the 256-deep record's header) and
-// the block's quant lanes (nibbles, or Q8_0's bytes), with this block's share of the prefetch
-// where `Prefetch`.
-template <int64_t Kind, bool Prefetching>
-inline void locate_block(const uint8_t* panel, int64_t b, const Prefetch& prefetch,
+// the block's quant lanes (nibbles, or Q8_0's bytes); with `prefetch` (where it is this
+// register block's turn) it also asks for the same bytes of the next step's panels.
+template <int64_t Kind>
+inline void locate_block(const uint8_t* panel, int64_t b, const Prefetch* prefetch,
                          const uint8_t*& record, const uint8_t*& lanes) {
-  const bool mine = Prefetching && b % prefetch.phases == prefetch.phase;
   if constexpr (Kind == kQ4_K || Kind == kQ6_K) {
     constexpr int64_t header = Kind == kQ4_K ? kQ4_KHeader : kQ6_KHeader;
     constexpr int64_t block_bytes = Kind == kQ4_K ? 256 : kQ6_KBlockBytes;
     record = panel + b / 8 * bytes_of(Kind);
     lanes = record + header + b % 8 * block_bytes;
-    if (mine) {
-      if (b % 8 == 0) prefetch_ahead(record, header, prefetch);
-      prefetch_ahead(lanes, block_bytes, prefetch);
+    if (prefetch) {
+      if (b % 8 == 0) prefetch_ahead(record, header, *prefetch);
+      prefetch_ahead(lanes, block_bytes, *prefetch);
     }
   } else {
     record = panel + b * bytes_of(Kind);
     lanes = record + (Kind == kQ4_1 ? 64 : 32);
-    if (mine) prefetch_ahead(record, bytes_of(Kind), prefetch);
+    if (prefetch) prefetch_ahead(record, bytes_of(Kind), *prefetch);
   }
 }
+
+// Whether block b is a register block's turn to prefetch (b % phases == phase), counted
+// along the blocks in order: no division in the loop.
+class PrefetchTurns {
+ public:
+  explicit PrefetchTurns(const Prefetch& prefetch) : prefetch_(prefetch), next_(prefetch.phase) {}
+  const Prefetch* at(int64_t b) {
+    if (b != next_) return nullptr;
+    next_ += prefetch_.phases;
+    return &prefetch_;
+  }
+
+ private:
+  const Prefetch& prefetch_;
+  int64_t next_;
+};
 
 // At one or two rows a thread walks its panels one at a time (np = 1 in quantized_linear_int8),
 // and a register block of one or two rows over one panel issues no software prefetch: the
@@ -283,7 +298,7 @@ template <int64_t Kind>
 PIPELLM_VNNI void widen_panel(const uint8_t* panel, int64_t blocks, uint8_t* out) {
   for (int64_t b = 0; b < blocks; ++b, out += kWidenedBlockBytes) {
     const uint8_t *record, *lanes;
-    locate_block<Kind, false>(panel, b, Prefetch{}, record, lanes);
+    locate_block<Kind>(panel, b, nullptr, record, lanes);
     __m512i high[2];
     if constexpr (Kind == kQ6_K)
       for (int n = 0; n < 2; ++n) high[n] = q6_k_high_bits(lanes, n);
@@ -344,14 +359,15 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       const float* bias = y.bias(p0 + p);
       acc[r][p] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     }
+  PrefetchTurns turns(prefetch);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec[NP];
     const uint8_t* lanes[NP];  // the block's 4 x 64 bytes of nibble lanes (or Q8_0's 8 x 64)
     __m512i dot[R][NP];
+    const Prefetch* ahead = !Widened && kPrefetchWeights<R, NP> ? turns.at(b) : nullptr;
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
-      locate_block<Kind, !Widened && kPrefetchWeights<R, NP>>(wp + (p0 + p) * panel_bytes, b,
-                                                              prefetch, rec[p], lanes[p]);
+      locate_block<Kind>(wp + (p0 + p) * panel_bytes, b, ahead, rec[p], lanes[p]);
     // Q8_0's quants are stored + 128 and Q5_0's are q + 16: start from -128 sum(qx) (or
     // -16 sum(qx)) to take the offset back out.
     constexpr int32_t kOffset = Kind == kQ8_0 ? 128 : Kind == kQ5_0 ? 16 : 0;
@@ -556,14 +572,15 @@ void int8_block_avx2(const QuantizedRows& xq, int64_t r0, const uint8_t* wp, int
         acc[r][p][h] = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
       }
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  PrefetchTurns turns(prefetch);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* rec[NP];
     const uint8_t* nibbles[NP];  // the block's quant lanes (Q4_1, Q4_K, Q6_K read them here)
     __m256i dot[R][NP][2];
+    const Prefetch* ahead = kPrefetchWeights<R, NP> ? turns.at(b) : nullptr;
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
-      locate_block<Kind, kPrefetchWeights<R, NP>>(wp + (p0 + p) * panel_bytes, b, prefetch, rec[p],
-                                                 nibbles[p]);
+      locate_block<Kind>(wp + (p0 + p) * panel_bytes, b, ahead, rec[p], nibbles[p]);
     const int8_t* qb = q + b * kBlock;
     if constexpr (Kind == kQ4_1 || Kind == kQ4_K) {
       __m256i pairs[R][NP][2];
