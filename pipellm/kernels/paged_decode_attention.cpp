@@ -4,11 +4,12 @@
 // and calling SDPA copies every key and value once (the gather) and then runs SDPA's flash
 // kernel, which is slow at query length 1. Here each task (a sequence, or a sequence's KV head
 // when there are fewer sequences than twice the threads) reads its keys and values once, in
-// place, and serves all query heads of each GQA group while they are in L1. Two passes: scores (and an exact softmax over them), then the weighted sum of
-// values. Groups may be uneven (`group_starts`, query_groups.h). AVX2 + FMA; the query and out
-// are float32, the cache float32 or float16 (widened as it is read, F16C: half the bytes to
-// stream, the cache llama.cpp keeps by default); pipellm/kernels/cpu_kernels.py builds it and
-// falls back to SDPA where it cannot.
+// place, and serves all query heads of each GQA group while they are in L1. Two passes: scores
+// (and an exact softmax over them), then the weighted sum of values. Groups may be uneven
+// (`group_starts`, query_groups.h). AVX2 + FMA; the query and out are float32, the cache
+// float32 or float16 (widened as it is read, F16C: half the bytes to stream, the cache
+// llama.cpp keeps by default); pipellm/kernels/cpu_kernels.py builds it and falls back to SDPA
+// where it cannot.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include "kernel_library.h"
@@ -64,7 +65,6 @@ struct CacheView {
       }
     }
   }
-
 };
 
 // Rows to bring into cache while a pass works through its chunk: the pass's next chunk, or, at
@@ -76,7 +76,7 @@ struct CacheView {
 template <typename T>
 class Upcoming {
  public:
-  Upcoming(int64_t row_elements) : row_bytes_(row_elements * int64_t{sizeof(T)}) {}
+  explicit Upcoming(int64_t row_elements) : row_bytes_(row_elements * int64_t{sizeof(T)}) {}
   void set(const CacheView<T>& view, int64_t first, int64_t n) {
     view.rows(first, n, rows_);
     n_ = n, done_ = 0;
