@@ -314,15 +314,15 @@ PIPELLM_VNNI void widen_panel(const uint8_t* panel, int64_t blocks, uint8_t* out
   }
 }
 
-// Vector g of block b of NP widened panels (panel p at widened + p blocks kWidenedBlockBytes)
-// times R rows of x at the same depths, into dot.
+// Vector g (depths 4 g..) of a block of NP panels' quants as bytes in Q8_0's order, panel p's
+// 8 x 64 bytes at first + p stride (Q8_0's lanes, or the widened copy), times R rows of x at
+// the same depths, into dot.
 template <int R, int NP>
-PIPELLM_VNNI inline void dot_widened(const uint8_t* widened, int64_t blocks, int64_t b, int g,
-                                     const int8_t* qb, int64_t depth, __m512i (&dot)[R][NP]) {
+PIPELLM_VNNI inline void dot_bytes(const uint8_t* first, int64_t stride, int g, const int8_t* qb,
+                                   int64_t depth, __m512i (&dot)[R][NP]) {
 #pragma GCC unroll 8
   for (int p = 0; p < NP; ++p) {
-    const __m512i w =
-        _mm512_loadu_si512(widened + (p * blocks + b) * kWidenedBlockBytes + 64 * g);
+    const __m512i w = _mm512_loadu_si512(first + p * stride + 64 * g);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       int32_t xg;
@@ -368,6 +368,9 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p)
       locate_block<Kind>(wp + (p0 + p) * panel_bytes, b, ahead, rec[p], lanes[p]);
+    // Where the loop reads bytes in Q8_0's order: the widened copy, or Q8_0's own lanes.
+    const uint8_t* bytes = Widened ? widened + b * kWidenedBlockBytes : lanes[0];
+    const int64_t bytes_stride = Widened ? blocks * kWidenedBlockBytes : panel_bytes;
     // Q8_0's quants are stored + 128 and Q5_0's are q + 16: start from -128 sum(qx) (or
     // -16 sum(qx)) to take the offset back out.
     constexpr int32_t kOffset = Kind == kQ8_0 ? 128 : Kind == kQ5_0 ? 16 : 0;
@@ -387,7 +390,7 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
       if constexpr (Widened) {
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g)
-          dot_widened<R, NP>(widened, blocks, b, g, qb, depth, sub_dot[g / 4]);
+          dot_bytes<R, NP>(bytes, bytes_stride, g, qb, depth, sub_dot[g / 4]);
       } else {
         __m512i high[NP][2];
 #pragma GCC unroll 8
@@ -430,10 +433,7 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
         }
       }
       continue;  // folded: the other types' fold below does not apply
-    } else if constexpr (Widened) {
-#pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) dot_widened<R, NP>(widened, blocks, b, g, qb, depth, dot);
-    } else if constexpr (kNibbles) {
+    } else if constexpr (kNibbles && !Widened) {
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
 #pragma GCC unroll 8
@@ -451,20 +451,9 @@ PIPELLM_VNNI void int8_block(const QuantizedRows& xq, int64_t r0, const uint8_t*
           }
         }
       }
-    } else {
+    } else {  // Q8_0, or widened
 #pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) {
-#pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p) {
-          const __m512i w = _mm512_loadu_si512(lanes[p] + 64 * g);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            int32_t xg;
-            __builtin_memcpy(&xg, qb + r * depth + 4 * g, 4);
-            dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], w, _mm512_set1_epi32(xg));
-          }
-        }
-      }
+      for (int g = 0; g < 8; ++g) dot_bytes<R, NP>(bytes, bytes_stride, g, qb, depth, dot);
     }
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
