@@ -8,7 +8,10 @@ given to both engines). Then each pipellm setting reads every prompt + continuat
 (prompt logprobs, top 1): teacher-forced agreement is the share of continuation positions where
 pipellm's top token is llama.cpp's, each position seeing the same context in both. Also
 reported: how many of pipellm's own free-running greedy continuations equal llama.cpp's, and
-the median position of the first differing token. Not a timing: run it on any machine.
+the median position of the first differing token. `--llamacpp-variants` measures llama.cpp
+itself in the same way with its attention's rounding changed (flash attention off, a float32
+cache), fed the reference token by token as it generated it: the size of the differences that
+rounding alone makes. Not a timing: run it on any machine.
 
     .venv/bin/python benchmarks/llamacpp_agreement.py --model Q4_K_M.gguf \\
         --llamacpp-python LLAMA_VENV/bin/python          # 32 prompts x 64 tokens
@@ -46,24 +49,47 @@ MORE_PROMPTS = [
 SETTINGS = ("gguf", "gguf_int8")
 
 
+# llama.cpp's own settings to compare with its default (flash attention, float16 KV cache):
+# how far llama.cpp moves from itself when only its attention's rounding changes, the scale
+# against which pipellm's differences from it can be read.
+LLAMACPP_VARIANTS = {
+    "no-flash-attention": {"flash_attention": False},
+    "no-flash-attention-float32-cache": {"flash_attention": False, "float16_cache": False},
+}
+
+
 def llamacpp_child(args: argparse.Namespace) -> None:
-    """Greedy continuations of the prompts (token ids on stdin), as JSON on stdout."""
+    """Reads {"prompts", "reference"} (token ids; reference: continuations or null) on stdin;
+    writes {"continuations": greedy continuations of the prompts, "tops": with a reference,
+    the top token at each of its positions given the prompt and the reference before it}."""
     from vs_llamacpp import LlamaCpp
 
-    engine = LlamaCpp(args.model, args.threads)
-    continuations = []
-    for prompt in json.loads(sys.stdin.read()):
+    engine = LlamaCpp(args.model, args.threads, **LLAMACPP_VARIANTS.get(args.variant, {}))
+    job = json.loads(sys.stdin.read())
+
+    def run(prompt: list[int], forced: list[int] | None) -> list[int]:
         engine.clear()
         token = engine.prefill(prompt, 0)
         tokens = [token]
         for pos in range(len(prompt), len(prompt) + args.tokens - 1):
-            token = engine.decode([(token, pos, 0, True)])[0]
+            fed = forced[pos - len(prompt)] if forced else token
+            token = engine.decode([(fed, pos, 0, True)])[0]
             tokens.append(token)
-        continuations.append(tokens)
-    print(json.dumps(continuations))
+        return tokens
+
+    continuations = [run(prompt, None) for prompt in job["prompts"]]
+    tops = None
+    if job["reference"] is not None:
+        tops = [run(p, r) for p, r in zip(job["prompts"], job["reference"], strict=True)]
+    print(json.dumps({"continuations": continuations, "tops": tops}))
 
 
-def llamacpp_continuations(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
+def llamacpp_run(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    variant: str = "default",
+    reference: list[list[int]] | None = None,
+) -> dict:
     env = dict(os.environ)
     if args.llamacpp_path:
         env["PYTHONPATH"] = os.pathsep.join(
@@ -71,9 +97,9 @@ def llamacpp_continuations(args: argparse.Namespace, prompts: list[list[int]]) -
         )
     command = [args.llamacpp_python, __file__, "--child", "--model", args.model]
     command += ["--tokens", str(args.tokens), "--threads", str(args.threads)]
-    out = subprocess.run(
-        command, input=json.dumps(prompts), env=env, capture_output=True, text=True, check=False
-    )
+    command += ["--variant", variant]
+    job = json.dumps({"prompts": prompts, "reference": reference})
+    out = subprocess.run(command, input=job, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"the llama.cpp child failed: {' '.join(command)}\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -88,7 +114,7 @@ def reference_continuations(args: argparse.Namespace, prompts: list[list[int]]) 
         if saved["prompts"] != prompts or saved["tokens"] != args.tokens:
             raise SystemExit(f"{args.reference} holds other prompts or token counts than this run")
         return saved["continuations"]
-    continuations = llamacpp_continuations(args, prompts)
+    continuations = llamacpp_run(args, prompts)["continuations"]
     if args.save_reference:
         with open(args.save_reference, "w") as f:
             saved = {"prompts": prompts, "tokens": args.tokens, "continuations": continuations}
@@ -134,7 +160,15 @@ def main() -> None:
         help="llama.cpp's continuations written by --save-reference for the same file, "
         "prompts and tokens, instead of running llama.cpp again",
     )
+    parser.add_argument(
+        "--llamacpp-variants",
+        nargs="*",
+        choices=list(LLAMACPP_VARIANTS),
+        default=[],
+        help="llama.cpp settings to compare with llama.cpp's default in the same way",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="default", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         llamacpp_child(args)
@@ -161,29 +195,45 @@ def main() -> None:
             texts = [p + c for p, c in zip(prompts, reference, strict=True)]
             outputs = llm.generate(texts, read, use_tqdm=False)
             own = llm.generate(prompts, greedy, use_tqdm=False)
-        hits: list[bool] = []  # per continuation position: pipellm's top-1 is llama.cpp's
-        for prompt, continuation, out in zip(prompts, reference, outputs, strict=True):
-            # prompt_logprobs[j]: position j's top tokens given the tokens before it
-            tops = [entry[1][0][0] for entry in out.prompt_logprobs[len(prompt) :]]
-            hits += [a == b for a, b in zip(tops, continuation, strict=True)]
-        hits_by_run[(setting, kv_cache_dtype)] = hits
-        same, positions = sum(hits), len(hits)
-        firsts = []
-        for continuation, run in zip(reference, own, strict=True):
-            differ = [
-                n
-                for n, (a, b) in enumerate(zip(continuation, run.outputs[0].token_ids, strict=True))
-                if a != b
-            ]
-            firsts.append(differ[0] if differ else len(continuation))
-        identical = sum(first == args.tokens for first in firsts)
-        print(
-            f"{setting:10s} kv {kv_cache_dtype:8s} teacher-forced top-1 = llama.cpp's: "
-            f"{same}/{positions} = "
-            f"{same / positions:.2%}; free-running: {identical}/{len(prompts)} continuations "
-            f"identical, first differing token at median {statistics.median(firsts):.0f}"
+        tops = [
+            [entry[1][0][0] for entry in out.prompt_logprobs[len(prompt) :]]
+            for prompt, out in zip(prompts, outputs, strict=True)
+        ]
+        own_tokens = [run.outputs[0].token_ids for run in own]
+        name = f"{setting:10s} kv {kv_cache_dtype:8s}"
+        hits_by_run[(setting, kv_cache_dtype)] = report(name, tops, own_tokens, reference)
+    for variant in args.llamacpp_variants:
+        out = llamacpp_run(args, prompts, variant, reference)
+        name = f"llama.cpp {variant}"
+        hits_by_run[("llama.cpp", variant)] = report(
+            name, out["tops"], out["continuations"], reference
         )
     print_discordant(hits_by_run)
+
+
+def report(
+    name: str, tops: list[list[int]], own: list[list[int]], reference: list[list[int]]
+) -> list[bool]:
+    """Prints one run's agreement with llama.cpp's default and returns its per-position hits.
+    tops: the run's top token at each reference position given the reference before it;
+    own: its free-running greedy continuations."""
+    hits = [  # per continuation position: the run's top-1 is llama.cpp's
+        a == b
+        for top, ref in zip(tops, reference, strict=True)
+        for a, b in zip(top, ref, strict=True)
+    ]
+    firsts = []
+    for continuation, run in zip(reference, own, strict=True):
+        differ = [n for n, (a, b) in enumerate(zip(continuation, run, strict=True)) if a != b]
+        firsts.append(differ[0] if differ else len(continuation))
+    identical = sum(first == len(c) for first, c in zip(firsts, reference, strict=True))
+    same, positions = sum(hits), len(hits)
+    print(
+        f"{name} teacher-forced top-1 = llama.cpp's: {same}/{positions} = "
+        f"{same / positions:.2%}; free-running: {identical}/{len(own)} continuations "
+        f"identical, first differing token at median {statistics.median(firsts):.0f}"
+    )
+    return hits
 
 
 def print_discordant(hits_by_run: dict[tuple[str, str], list[bool]]) -> None:

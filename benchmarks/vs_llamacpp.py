@@ -124,7 +124,12 @@ def pipellm_child(args: argparse.Namespace) -> dict[str, float]:
 class LlamaCpp:
     """A llama.cpp context on the low-level API, holding up to BATCH sequences."""
 
-    def __init__(self, path: str, threads: int) -> None:
+    def __init__(
+        self, path: str, threads: int, flash_attention: bool = True, float16_cache: bool = True
+    ) -> None:
+        """flash_attention and float16_cache: llama.cpp's defaults on a CPU (flash attention
+        "auto" resolves to on); False turns either off, as `llama-cli -fa off -ctk f32 -ctv
+        f32` would."""
         import llama_cpp
 
         self.lib = llama_cpp
@@ -138,6 +143,10 @@ class LlamaCpp:
         params.n_batch, params.n_ubatch = 2048, 512
         params.n_seq_max = BATCH
         params.n_threads = params.n_threads_batch = threads
+        if not flash_attention:
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if not float16_cache:
+            params.type_k = params.type_v = llama_cpp.GGML_TYPE_F32
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.batch = llama_cpp.llama_batch_init(2048, 0, 1)
