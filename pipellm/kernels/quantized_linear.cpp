@@ -68,12 +68,18 @@ constexpr int64_t kFusedRows = 4;
 
 // Prefetches the record kPrefetchBytes ahead, if it is before `end`: the hardware prefetcher
 // alone leaves the stream well below the read bandwidth while the core is busy dequantizing,
-// and a prefetch past the weights can cost a page walk.
-inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* end) {
+// and a prefetch past the weights can cost a page walk. `to_l2`: into L2 only (fused_panels).
+inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* end,
+                           bool to_l2 = false) {
   const uint8_t* ahead = record + kPrefetchBytes;
   if (ahead + bytes > end) return;
-  for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+  for (int64_t line = 0; line < bytes; line += 64) {
+    const char* at = reinterpret_cast<const char*>(ahead + line);
+    if (to_l2)
+      _mm_prefetch(at, _MM_HINT_T1);
+    else
+      _mm_prefetch(at, _MM_HINT_T0);
+  }
 }
 
 // 8 (or 16) float16 values at p, widened to float32: exact.
@@ -408,7 +414,10 @@ constexpr auto kFusedRowBlock =
 // weights dequantized in registers. Why: at one or two rows a single panel's outputs are one
 // or two chains of dependent FMAs, each depth waiting on the previous one's latency (4
 // cycles); NP panels side by side give the core NP times as many independent chains. Each
-// output is still its own chain over the depth in order, so the bits do not change.
+// output is still its own chain over the depth in order, so the bits do not change. The NP
+// streams are prefetched into L2, not L1: on an AVX-512 AMD EPYC, 2 threads, one row, Gemma
+// 3's 262,144 x 640 Q8_0 head took 8.0-8.2 -> 6.7-7.1 ms a call and SmolLM2's 49,152 x 576
+// 1.19-1.48 -> 1.09-1.16 ms; the layers' shapes were unchanged or a few percent faster.
 #define FOR_PANELS(X, r) X(r, 0) X(r, 1) X(r, 2) X(r, 3)
 constexpr int kPanelsAtOnce = 4;
 template <class Record, int R, int NP>
@@ -423,7 +432,7 @@ void fused_panels(const float* x, int64_t ldx, const uint8_t* wp, int64_t panel_
   for (int64_t b = 0; b < blocks; ++b) {
 #define RECORD(unused, p)                                                             \
   const uint8_t* bytes##p = wp + (p0 + (NP > p ? p : 0)) * panel_bytes + b * Record::kBytes; \
-  if (NP > p) prefetch_ahead(bytes##p, Record::kBytes, end);                          \
+  if (NP > p) prefetch_ahead(bytes##p, Record::kBytes, end, true);                    \
   Record record##p(bytes##p);
     FOR_PANELS(RECORD, 0)
     const float* xk = x + b * Record::kDepth;
