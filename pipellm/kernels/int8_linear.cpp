@@ -56,6 +56,7 @@
 #include "activation_rounding.h"
 #include "gemm_microkernel.h"
 #include "panel_output.h"
+#include "prefetch_lines.h"
 
 #include <algorithm>
 #include <cmath>
@@ -68,6 +69,7 @@ namespace {
 using pipellm_kernels::GroupScale;
 using pipellm_kernels::kPanel;
 using pipellm_kernels::PanelOutput;
+using pipellm_kernels::prefetch_lines;
 using pipellm_kernels::Rounding;
 
 constexpr int64_t kBlock = 32;
@@ -172,13 +174,7 @@ constexpr int64_t kL1Bytes = 32 * 1024;
 inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const Prefetch& prefetch) {
   const uint8_t* ahead = record + prefetch.ahead;
   if (ahead + bytes > prefetch.end) return;  // a prefetch past the weights can cost a page walk
-  for (int64_t line = 0; line < bytes; line += 64) {
-    const char* at = reinterpret_cast<const char*>(ahead + line);
-    if (prefetch.to_l2)
-      _mm_prefetch(at, _MM_HINT_T1);
-    else
-      _mm_prefetch(at, _MM_HINT_T0);
-  }
+  prefetch_lines(ahead, bytes, prefetch.to_l2);
 }
 
 // 32-deep block b of a panel: its record (for the K-quants the 256-deep record's header) and

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include "avx2_math.h"
+#include "prefetch_lines.h"
 #include "query_groups.h"
 
 #include <algorithm>
@@ -29,6 +30,7 @@
 namespace {
 
 using pipellm_kernels::masked_softmax;
+using pipellm_kernels::prefetch_lines;
 
 // Tokens whose key (or value) rows are looked up together and reused by every head of a group.
 constexpr int64_t kChunk = 64;
@@ -90,8 +92,7 @@ class Upcoming {
   // Rows in proportion to the work done on the chunk in hand: `done` of `total` steps.
   void up_to(int64_t done, int64_t total) {
     for (const int64_t target = done >= total ? n_ : n_ * done / total; done_ < target; ++done_)
-      for (int64_t byte = 0; byte < row_bytes_; byte += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rows_[done_]) + byte, _MM_HINT_T1);
+      prefetch_lines(rows_[done_], row_bytes_, /*to_l2=*/true);
   }
 
  private:

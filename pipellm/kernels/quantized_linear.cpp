@@ -33,6 +33,7 @@
 
 #include "gemm_microkernel.h"
 #include "panel_output.h"
+#include "prefetch_lines.h"
 
 #include <algorithm>
 #include <array>
@@ -44,6 +45,7 @@ namespace {
 
 using pipellm_kernels::kPanel;
 using pipellm_kernels::kRowBlock;
+using pipellm_kernels::prefetch_lines;
 using pipellm_kernels::for_each_row_block;
 using pipellm_kernels::for_each_slice_pass;
 using pipellm_kernels::PanelOutput;
@@ -73,13 +75,7 @@ inline void prefetch_ahead(const uint8_t* record, int64_t bytes, const uint8_t* 
                            bool to_l2 = false) {
   const uint8_t* ahead = record + kPrefetchBytes;
   if (ahead + bytes > end) return;
-  for (int64_t line = 0; line < bytes; line += 64) {
-    const char* at = reinterpret_cast<const char*>(ahead + line);
-    if (to_l2)
-      _mm_prefetch(at, _MM_HINT_T1);
-    else
-      _mm_prefetch(at, _MM_HINT_T0);
-  }
+  prefetch_lines(ahead, bytes, to_l2);
 }
 
 // 8 (or 16) float16 values at p, widened to float32: exact.
