@@ -59,7 +59,7 @@ def test_embedding_rows_are_ggufs(kernel_level, kind):
 
 
 @pytest.mark.parametrize("kind", ALL_TYPES, ids=lambda kind: kind.name)
-@pytest.mark.parametrize("rows", [1, 4, 64])
+@pytest.mark.parametrize("rows", [1, 2, 4, 64])
 def test_exact_path_is_bit_identical_to_float32(kernel_level, kernel_ops, kind, rows):
     out_features = 40  # two whole panels of 16 and a ragged one
     weight, dequantized = weight_of(kind, out_features, DEPTH, seed=rows)
