@@ -124,7 +124,8 @@ inline __m128i depth_nibbles(const uint8_t* p) {
 // Two depths' nibbles (depths k and k + 1, 8 bytes each from p) with one load and one unpack.
 // Why: at one or two rows the exact kernels are bound by the vector operations that widen
 // each weight, and on AVX-512 the byte unpacking is a third of them. Measured on an AVX-512
-// AMD EPYC, 2 threads, one row: Q4_1, Q5_0, Q4_K and Q6_K GEMMs 7-24% faster.
+// AMD EPYC, 2 threads, one row: Q4_1, Q5_0, Q4_K and Q6_K GEMMs 7-24% faster; at the AVX2
+// level (PIPELLM_CPU_ISA=avx2) Q5_0 and Q6_K 7-11%.
 inline void nibble_pair(const uint8_t* p, __m128i& v0, __m128i& v1) {
   const __m128i low = _mm_set1_epi8(0x0F);
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -134,10 +135,12 @@ inline void nibble_pair(const uint8_t* p, __m128i& v0, __m128i& v1) {
   v1 = _mm_unpackhi_epi64(lo, hi);
 }
 
-// The records below give, at the AVX-512 level, the 16 columns at depth k as
+// The records below give the 16 columns at depth k as
 //   enter(k): the scales of k's sub-block (K-quants; k = 0, 1, ... in order),
 //   values(k): the columns' quants as bytes, and value_pair(k) those of depths k and k + 1,
-//   widen(v): the quants as float32 weights, gguf's own rounding.
+//   widen(v): the quants as float32 weights, gguf's own rounding (one register at the
+//   AVX-512 level, two halves of 8 columns at the AVX2 one),
+// except that at the AVX2 level Q4_1 and Q4_K widen their nibbles in at() directly.
 
 // One record (a 32-deep block of a panel), dequantized depth by depth into registers.
 struct Q4_1Record {
@@ -193,13 +196,16 @@ struct ScaledInt8Columns {
     d = half16_to_float(scales);
 #endif
   }
-  void at(int64_t k, __m256& w0, __m256& w1) const {
-    const __m128i v = static_cast<const Record*>(this)->values(k);
+  void enter(int64_t) {}
+  // Columns 0-7 and 8-15 of the quants v (column j at byte j) as weights.
+  void widen(__m128i v, __m256& w0, __m256& w1) const {
     w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d0);
     w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), d1);
   }
+  void at(int64_t k, __m256& w0, __m256& w1) const {
+    widen(static_cast<const Record*>(this)->values(k), w0, w1);
+  }
 #if defined(__AVX512F__)
-  void enter(int64_t) {}
   __m512 widen(__m128i v) const {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), d);
   }
@@ -366,23 +372,23 @@ struct Q6_KRecord {
     high_bits = _mm_srli_epi16(high_bits, 4);
   }
   // Called for k = 0, 1, ... in order: the scales change every 16 depths.
-  void at(int64_t k, __m256& w0, __m256& w1) {
-    if (k % 16 == 0) {
-      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales(k)));
-      D0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-      D1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-    }
-    const __m128i v = values(k);
-    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), D0);
-    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), D1);
-  }
-#if defined(__AVX512F__)
   void enter(int64_t k) {
     if (k % 16 == 0) {
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales(k)));
+#if defined(__AVX512F__)
       D = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+#else
+      D0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+      D1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+#endif
     }
   }
+  void widen(__m128i v, __m256& w0, __m256& w1) const {
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), D0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), D1);
+  }
+  void at(int64_t k, __m256& w0, __m256& w1) { enter(k), widen(values(k), w0, w1); }
+#if defined(__AVX512F__)
   __m512 widen(__m128i v) const {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), D);
   }
@@ -393,8 +399,9 @@ struct Q6_KRecord {
 #endif
 };
 
-#if defined(__AVX512F__)
-// Whether a record gives two depths at once (value_pair).
+// Whether a record gives two depths at once (value_pair). At the AVX2 level only Q5_0 and Q6_K
+// do: there Q4_1's and Q4_K's single depths are widened from their nibbles without an unpack,
+// so a pair would save nothing.
 template <class Record, class = void>
 constexpr bool kHasPairs = false;
 template <class Record>
@@ -407,14 +414,12 @@ inline void at_pair(Record& record, int64_t k, Columns& w0, Columns& w1) {
   record.enter(k);
   __m128i v0, v1;
   record.value_pair(k, v0, v1);
+#if defined(__AVX512F__)
   w0.v = record.widen(v0), w1.v = record.widen(v1);
-}
 #else
-template <class Record>
-constexpr bool kHasPairs = false;  // the AVX2 records widen two halves of 8 columns instead
-template <class Record>
-inline void at_pair(Record&, int64_t, Columns&, Columns&) {}
+  record.widen(v0, w0.lo, w0.hi), record.widen(v1, w1.lo, w1.hi);
 #endif
+}
 
 // Dequantizes blocks [b0, b1) of one panel into out[(b - b0) * 32 + k][16].
 template <class Record>
@@ -424,7 +429,6 @@ void dequantize(const uint8_t* panel, int64_t b0, int64_t b1, float* out, const 
     prefetch_ahead(bytes, Record::kBytes, end);
     Record record(bytes);
     for (int64_t k = 0; k < Record::kDepth; ++k, out += kPanel) {
-#if defined(__AVX512F__)
       if constexpr (kHasPairs<Record>) {
         Columns w0, w1;
         at_pair(record, k, w0, w1);
@@ -432,6 +436,7 @@ void dequantize(const uint8_t* panel, int64_t b0, int64_t b1, float* out, const 
         ++k, out += kPanel;
         continue;
       }
+#if defined(__AVX512F__)
       __m512 w;
       record.at(k, w);
       _mm512_storeu_ps(out, w);
