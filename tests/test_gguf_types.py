@@ -59,7 +59,7 @@ def test_embedding_rows_are_ggufs(kernel_level, kind):
 
 
 @pytest.mark.parametrize("kind", ALL_TYPES, ids=lambda kind: kind.name)
-@pytest.mark.parametrize("rows", [1, 2, 4, 64])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 64])
 def test_exact_path_is_bit_identical_to_float32(kernel_level, kernel_ops, kind, rows):
     out_features = 40  # two whole panels of 16 and a ragged one
     weight, dequantized = weight_of(kind, out_features, DEPTH, seed=rows)
@@ -132,7 +132,7 @@ def test_parts_of_different_types_stay_in_their_types(kernel_level, kernel_ops, 
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 64])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 64])
 @pytest.mark.parametrize("kinds", [(T.Q5_0,), (T.Q5_0, T.Q8_0, T.Q5_0)], ids=["Q5_0", "Q5_0+Q8_0"])
 def test_q5_0_is_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kinds):
     # Q5_0 alone keeps its 5.5 bits in the repacked layout; a q/k/v of Q5_0 and Q8_0 parts is
@@ -177,7 +177,7 @@ def test_int8_repacked_types_within_the_rounding_bound(kernel_level, kinds):
         assert (error <= int8_error_bound(x, dequantized)).all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 64])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 64])
 @pytest.mark.parametrize("kind", [T.Q6_K, T.Q4_K], ids=lambda kind: kind.name)
 def test_k_quants_are_repacked_and_bit_identical(kernel_level, kernel_ops, rows, kind):
     # 40 rows: two whole panels and a ragged one; 512 deep: two 256-value records.

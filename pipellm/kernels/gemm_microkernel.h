@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace pipellm_kernels {
@@ -30,6 +31,15 @@ constexpr int64_t kRows = 6;  // rows of x per register block: 12 accumulators o
 // the AVX2 and AVX-512 builds give the same bits.
 // Named accumulators, not arrays: gcc keeps arrays of vectors on the stack in this loop.
 #if defined(__AVX512F__)
+// Whether Weights gives two depths at once, at_pair(k, w0, w1) for k even: a quantized panel
+// whose unpacking then costs once for both (quantized_linear.cpp). Each output still adds its
+// depths in order, so the bits do not change. Measured on an AVX-512 AMD EPYC, 2 threads, 3 and
+// 4 rows: Q4_1, Q5_0, Q4_K and Q6_K GEMMs 4-15% faster; 8 rows the same or faster.
+template <class Weights, class = void>
+constexpr bool kTwoDepths = false;
+template <class Weights>
+constexpr bool kTwoDepths<Weights, std::void_t<decltype(Weights::kPairs)>> = Weights::kPairs;
+
 template <int R, class Weights>
 inline void row_block_of(const float* x, int64_t ldx, Weights& weights, int64_t k0, int64_t k1,
                          float* out, int64_t ld, bool accumulate, const float* init) {
@@ -39,11 +49,22 @@ inline void row_block_of(const float* x, int64_t ldx, Weights& weights, int64_t 
   if (R > i && accumulate) acc##i = _mm512_loadu_ps(out + i * ld);
   FOR_ROWS(DECLARE)
   const float* xk = x + k0;
-  for (int64_t k = k0; k < k1; ++k, ++xk) {
-    __m512 w;
-    weights.at(k, w);
+  int64_t k = k0;
 #define FMA(i) \
   if (R > i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(xk[i * ldx]), w, acc##i);
+  if constexpr (kTwoDepths<Weights>) {
+    for (; k + 1 < k1; k += 2) {  // k0 is even: the callers' depths are whole blocks
+      __m512 w, w_next;
+      weights.at_pair(k, w, w_next);
+      FOR_ROWS(FMA)
+      w = w_next, ++xk;
+      FOR_ROWS(FMA)
+      ++xk;
+    }
+  }
+  for (; k < k1; ++k, ++xk) {
+    __m512 w;
+    weights.at(k, w);
     FOR_ROWS(FMA)
   }
 #define STORE(i) \

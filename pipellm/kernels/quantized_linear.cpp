@@ -408,9 +408,11 @@ template <class Record>
 constexpr bool kHasPairs<Record, std::void_t<decltype(&Record::value_pair)>> = true;
 
 // The 16 columns at depths k and k + 1 (k even, so both in one sub-block): the same products
-// as two calls of at().
+// as two calls of at(). Always inlined: in the 3-8-row register blocks gcc otherwise called it
+// for Q6_K and kept the record in memory (2.4x slower at 8 rows).
 template <class Record>
-inline void at_pair(Record& record, int64_t k, Columns& w0, Columns& w1) {
+__attribute__((always_inline)) inline void at_pair(Record& record, int64_t k, Columns& w0,
+                                                   Columns& w1) {
   record.enter(k);
   __m128i v0, v1;
   record.value_pair(k, v0, v1);
@@ -456,15 +458,30 @@ struct QuantizedPanel {
   const uint8_t* panel;
   const uint8_t* end;
   Record record;
-  template <class... Vectors>
-  void at(int64_t k, Vectors&... w) {
+  void enter_record(int64_t k) {
     if (k % Record::kDepth == 0) {
       const uint8_t* bytes = panel + k / Record::kDepth * Record::kBytes;
       prefetch_ahead(bytes, Record::kBytes, end);
       record = Record(bytes);
     }
+  }
+  template <class... Vectors>
+  void at(int64_t k, Vectors&... w) {
+    enter_record(k);
     record.at(k % Record::kDepth, w...);
   }
+#if defined(__AVX512F__)
+  // row_block_of takes two depths a step where this is true (pipellm_kernels::kTwoDepths). Not
+  // at the AVX2 level: its 16 registers hold 4 rows' accumulators and one depth's weights, and
+  // a second depth's made 4 rows slower there (measured with PIPELLM_CPU_ISA=avx2).
+  static constexpr bool kPairs = kHasPairs<Record>;
+  __attribute__((always_inline)) void at_pair(int64_t k, __m512& w0, __m512& w1) {
+    enter_record(k);
+    Columns c0, c1;
+    ::at_pair(record, k % Record::kDepth, c0, c1);
+    w0 = c0.v, w1 = c1.v;
+  }
+#endif
 };
 
 // Rows [0, R) of x times one whole panel, each depth's weights dequantized in registers and
