@@ -308,7 +308,8 @@ struct Q4_KRecord {
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   void enter(int64_t k) {
-    if (k % 32 == 0) D = _mm512_mul_ps(d, widen16(scales(k))), M = _mm512_mul_ps(n, widen16(mins(k)));
+    if (k % 32 == 0)
+      D = _mm512_mul_ps(d, widen16(scales(k))), M = _mm512_mul_ps(n, widen16(mins(k)));
   }
   void value_pair(int64_t k, __m128i& v0, __m128i& v1) const { nibble_pair(nibbles(k), v0, v1); }
   __m512 widen(__m128i v) const {
@@ -344,7 +345,9 @@ struct Q6_KRecord {
   const int8_t* scales(int64_t k) const {
     return reinterpret_cast<const int8_t*>(record + kPanel * 2 + k / 16 * kPanel);
   }
-  const uint8_t* nibbles(int64_t k) const { return record + kPanel * 2 + kDepth / 16 * kPanel + k * 8; }
+  const uint8_t* nibbles(int64_t k) const {
+    return record + kPanel * 2 + kDepth / 16 * kPanel + k * 8;
+  }
   // The current 4 depths' high bits, shifted right by 2 a depth: bits 0-1 of byte j are
   // column j's at the next depth. values() is called for k = 0, 1, ... in order.
   mutable __m128i high_bits;
