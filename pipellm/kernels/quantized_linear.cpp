@@ -237,12 +237,12 @@ struct Q5_0Record : ScaledInt8Columns<Q5_0Record> {
   mutable __m128i bits;
   explicit Q5_0Record(const uint8_t* record)
       : ScaledInt8Columns(record), q(record + kPanel * 2), high(q + kBlock * kPanel / 2) {}
-  const __m128i* fifth_bits(int64_t k) const {
-    return reinterpret_cast<const __m128i*>(high + 2 * k);
+  void load_fifth_bits(int64_t k) const {
+    if (k % 8 == 0) bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + 2 * k));
   }
   // Columns 0-15 at depth k as int8 q - 16.
   __m128i values(int64_t k) const {
-    if (k % 8 == 0) bits = _mm_loadu_si128(fifth_bits(k));
+    load_fifth_bits(k);
     // bit 0 of each byte to bit 4 (16-bit shifts: bits crossing into the next byte are masked)
     const __m128i sixteen = _mm_and_si128(_mm_slli_epi16(bits, 4), _mm_set1_epi8(0x10));
     bits = _mm_srli_epi16(bits, 1);
@@ -252,7 +252,7 @@ struct Q5_0Record : ScaledInt8Columns<Q5_0Record> {
   void value_pair(int64_t k, __m128i& v0, __m128i& v1) const {
     const __m128i fifth = _mm_set1_epi8(0x10);
     nibble_pair(q + k * 8, v0, v1);
-    if (k % 8 == 0) bits = _mm_loadu_si128(fifth_bits(k));
+    load_fifth_bits(k);
     v0 = _mm_sub_epi8(v0, _mm_and_si128(_mm_slli_epi16(bits, 4), fifth));
     v1 = _mm_sub_epi8(v1, _mm_and_si128(_mm_slli_epi16(bits, 3), fifth));
     bits = _mm_srli_epi16(bits, 2);
@@ -433,24 +433,18 @@ void dequantize(const uint8_t* panel, int64_t b0, int64_t b1, float* out, const 
     const uint8_t* bytes = panel + b * Record::kBytes;
     prefetch_ahead(bytes, Record::kBytes, end);
     Record record(bytes);
-    for (int64_t k = 0; k < Record::kDepth; ++k, out += kPanel) {
-      if constexpr (kHasPairs<Record>) {
+    if constexpr (kHasPairs<Record>) {
+      for (int64_t k = 0; k < Record::kDepth; k += 2, out += 2 * kPanel) {
         Columns w0, w1;
         at_pair(record, k, w0, w1);
         w0.store(out), w1.store(out + kPanel);
-        ++k, out += kPanel;
-        continue;
       }
-#if defined(__AVX512F__)
-      __m512 w;
-      record.at(k, w);
-      _mm512_storeu_ps(out, w);
-#else
-      __m256 w0, w1;
-      record.at(k, w0, w1);
-      _mm256_storeu_ps(out, w0);
-      _mm256_storeu_ps(out + 8, w1);
-#endif
+    } else {
+      for (int64_t k = 0; k < Record::kDepth; ++k, out += kPanel) {
+        Columns w;
+        record.at(k, w);
+        w.store(out);
+      }
     }
   }
 }
